@@ -1,0 +1,108 @@
+"""The API's one error map: every failure leaves as `{"error": {"code", "message", "meta"?}}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("memories.api")
+
+_CODES = {
+    400: "VALIDATION_FAILED",
+    401: "UNAUTHORIZED",
+    403: "FORBIDDEN",
+    404: "RESOURCE_NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    409: "CONFLICT",
+    413: "PAYLOAD_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+    503: "SERVICE_UNAVAILABLE",
+    500: "INTERNAL_ERROR",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, meta: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code or _CODES.get(status, "INTERNAL_ERROR")
+        self.message = message
+        self.meta = meta
+
+
+def not_found(kind: str, identifier: str) -> ApiError:
+    return ApiError(404, f"{kind} {identifier} not found")
+
+
+def envelope(status: int, message: str, *, code: str | None = None, meta: dict[str, Any] | None = None) -> JSONResponse:
+    error: dict[str, Any] = {"code": code or _CODES.get(status, "INTERNAL_ERROR"), "message": message}
+    if meta:
+        error["meta"] = meta
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    # ("body", "tags", 3) -> "tags[3]"; the "body"/"query" prefix says nothing to a client.
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else list(map(str, loc))
+    return ".".join(parts) or str(loc[0] if loc else "body")
+
+
+def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
+    unknown = [_field(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    missing = [_field(e["loc"]) for e in errors if e.get("type") == "missing"]
+    too_large = [e for e in errors if e.get("type") in {"string_too_long"} and _field(e["loc"]) == "content"]
+    problems = [
+        {"field": _field(e["loc"]), "message": str(e.get("msg", ""))}
+        for e in errors
+        if e.get("type") not in {"extra_forbidden", "missing"}
+    ]
+    meta: dict[str, Any] = {}
+    if unknown:
+        meta["unknown_fields"] = unknown
+    if missing:
+        meta["missing_fields"] = missing
+    if problems:
+        meta["invalid_fields"] = problems
+    if too_large and not unknown and not missing:
+        return envelope(413, "content is too long", meta=meta)
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return envelope(400, "request body is not valid JSON", meta=meta)
+    return envelope(400, "request validation failed", meta=meta)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return envelope(exc.status, exc.message, code=exc.code, meta=exc.meta)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(list(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        return envelope(exc.status_code, message)
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc)
+        return envelope(503, "the database is unavailable; retry later")
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
+        if exc.connection_invalidated:
+            return envelope(503, "the database connection was lost; retry later")
+        log.exception("database error", exc_info=exc)
+        return envelope(500, "internal error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return envelope(500, "internal error")

@@ -1,0 +1,55 @@
+"""The REST API: gathers the routers and owns the process's connections."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from services.api import errors
+from services.api.limits import BodySizeLimit
+from services.api.routes import entries, health, memories, projects, writes
+from services.api.write_gateway import WriteGateway
+from shared import bus
+from shared.db.session import create_engine, session_factory
+from shared.settings import Settings
+
+API_PREFIX = "/api/v1"
+MAX_BODY_BYTES = 256 * 1024
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        assert settings.database_url and settings.nats_url, "resolve the servers before building the app"
+        engine = create_engine(settings.database_url)
+        nc = await bus.connect(settings.nats_url, name="memories-api")
+        await bus.ensure_layout(nc.jetstream(), settings)
+        gateway = WriteGateway(nc, settings.memories_partitions)
+        await gateway.start()
+        app.state.settings = settings
+        app.state.admin_token = settings.memories_admin_token
+        app.state.sessions = session_factory(engine)
+        app.state.nats = nc
+        app.state.gateway = gateway
+        try:
+            yield
+        finally:
+            await nc.drain()
+            await engine.dispose()
+
+    app = FastAPI(
+        title="Memories",
+        version="0.1.0",
+        description="Named memories of deduplicated, embedded facts for AI agents. See docs/contract.md.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+    api = APIRouter(prefix=API_PREFIX)
+    for module in (projects, memories, entries, writes):
+        api.include_router(module.router)
+    app.include_router(api)
+    app.include_router(health.router)
+    return app

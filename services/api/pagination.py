@@ -1,0 +1,24 @@
+"""List paging as the contract says: limit defaults to 50 and is clamped to 1..100; offset >= 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Query
+
+
+@dataclass(frozen=True)
+class Paging:
+    limit: int
+    offset: int
+
+
+def paging(
+    limit: Annotated[int, Query(description="page size, clamped to 1..100")] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> Paging:
+    return Paging(limit=min(max(limit, 1), 100), offset=offset)
+
+
+PagingDep = Annotated[Paging, Depends(paging)]

@@ -1,0 +1,197 @@
+"""Memory entries. Creation goes through the bus to the writer; the API waits for its decision."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from services.api.deps import PrincipalDep, SessionDep, SettingsDep, scope
+from services.api.errors import ApiError, envelope, not_found
+from services.api.pagination import PagingDep
+from services.api.routes.memories import load_memory
+from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
+from services.api.write_gateway import BusUnavailable
+from shared import repository as repo
+from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.embeddings import EmbeddingError, embed_texts
+from shared.events import MemoryWriteOutcome, MemoryWriteRequested, WriteAction
+from shared.guard import content_hash
+from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_write_id
+
+router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
+
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+async def load_entry(session: AsyncSession, principal_scope: str | None, entry_id: str) -> MemoryEntry:
+    entry = None
+    if is_valid_id(entry_id, ENTRY_PREFIX):
+        entry = await repo.get_entry(session, principal_scope, entry_id)
+    if entry is None:
+        raise not_found("memory entry", entry_id)
+    return entry
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    summary="Write an entry through the dedup algorithm",
+    responses={
+        200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`"},
+        202: {"model": WriteAccepted, "description": "queued; the writer has not decided within the timeout"},
+    },
+)
+async def create_entry(
+    body: EntryCreate,
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(description="retries with the same key get the first outcome")] = None,
+) -> JSONResponse:
+    memory = await load_memory(session, scope(principal), body.memory_id)
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+        raise ApiError(400, "Idempotency-Key must be 1..255 visible ASCII characters")
+    write_id = keyed_write_id(memory.project_id, idempotency_key) if idempotency_key else new_write_id()
+    record, owned = await repo.claim_write_id(session, write_id, memory.project_id, memory.id)
+    await session.commit()
+    if record.status == "applied":
+        return await _answer(session, _outcome_of(record))
+
+    timeout = settings.memories_write_timeout_s
+    if owned:
+        event = MemoryWriteRequested(
+            event_id=write_id,
+            project_id=memory.project_id,
+            memory_id=memory.id,
+            content=body.content,
+            source_type=body.source_type,
+            tags=body.tags,
+            metadata=body.metadata,
+            duplicate_threshold=body.duplicate_threshold,
+        )
+        try:
+            outcome = await request.app.state.gateway.submit(event, attempt=record.failed_attempts, timeout=timeout)
+        except BusUnavailable as exc:
+            raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})")
+    else:
+        outcome = await _await_stored_outcome(request.app.state.sessions, write_id, timeout)
+
+    if outcome is None:
+        accepted = WriteAccepted(write_id=write_id, status="pending")
+        return JSONResponse(accepted.model_dump(), status_code=status.HTTP_202_ACCEPTED)
+    return await _answer(session, outcome)
+
+
+def _outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
+    return MemoryWriteOutcome(
+        write_id=record.write_id,
+        action=WriteAction(record.action) if record.action else None,
+        entry_id=record.entry_id,
+        score=record.score,
+    )
+
+
+async def _await_stored_outcome(
+    sessions: async_sessionmaker[AsyncSession], write_id: str, timeout: float
+) -> MemoryWriteOutcome | None:
+    """Another request owns this write's attempt; its outcome shows up in the database."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with sessions() as session:
+            record = await repo.get_write_outcome(session, write_id)
+        if record is not None and record.status == "applied":
+            return _outcome_of(record)
+        await asyncio.sleep(0.05)
+    return None
+
+
+async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
+    if outcome.error is not None:
+        return envelope(outcome.error.status, outcome.error.message, code=outcome.error.code)
+    entry = await session.get(MemoryEntry, outcome.entry_id, populate_existing=True) if outcome.entry_id else None
+    if entry is None or outcome.action is None:
+        return envelope(409, "the entry this write produced has since been deleted", meta={"write_id": outcome.write_id})
+    written = EntryWritten(**EntryOut.of(entry).model_dump(), action=outcome.action, write_id=outcome.write_id)
+    code = status.HTTP_201_CREATED if outcome.action is WriteAction.CREATED else status.HTTP_200_OK
+    return JSONResponse(written.model_dump(mode="json"), status_code=code)
+
+
+@router.get("", summary="List the entries of a memory (valid ones unless include_invalidated)")
+async def list_entries(
+    session: SessionDep,
+    principal: PrincipalDep,
+    paging: PagingDep,
+    memory_id: Annotated[str, Query()],
+    include_invalidated: bool = False,
+) -> Page[EntryOut]:
+    memory = await load_memory(session, scope(principal), memory_id)
+    rows, total = await repo.list_entries(session, memory.id, include_invalidated, paging.limit, paging.offset)
+    return Page(data=[EntryOut.of(e) for e in rows], total=total, limit=paging.limit, offset=paging.offset)
+
+
+@router.get("/{entry_id}", summary="Get an entry, also when invalidated (audit)")
+async def get_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> EntryOut:
+    return EntryOut.of(await load_entry(session, scope(principal), entry_id))
+
+
+@router.put("/{entry_id}", summary="Edit an entry: tags/metadata replaced, new content re-embedded, no dedup")
+async def update_entry(
+    entry_id: str, body: EntryUpdate, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
+) -> EntryOut:
+    entry = await load_entry(session, scope(principal), entry_id)
+    changes: dict[str, Any] = {}
+    if "tags" in body.model_fields_set:
+        changes["tags"] = body.tags or None
+    if "metadata" in body.model_fields_set:
+        changes["metadata_"] = body.metadata
+    before = entry.content
+    if "content" in body.model_fields_set:
+        if body.content is None:
+            raise ApiError(400, "content cannot be null", meta={"invalid_fields": ["content"]})
+        if body.content != entry.content:
+            try:
+                [vector] = await embed_texts(
+                    [body.content], model=settings.embedding_model, dimensions=settings.embedding_dimensions
+                )
+            except EmbeddingError as exc:
+                raise ApiError(503, f"embedding failed: {exc}") from exc
+            changes.update(
+                content=body.content,
+                content_hash=content_hash(body.content),
+                embedding=vector,
+                embedding_model=settings.embedding_model,
+            )
+    # The memory's lock keeps an edit from interleaving with a writer decision on the same memory.
+    await repo.lock_memory(session, entry.memory_id)
+    entry = await repo.update_entry(session, entry, changes)
+    await repo.add_history(session, _edit_record(entry, "edited", before, entry.content))
+    await session.commit()
+    return EntryOut.of(entry)
+
+
+@router.delete("/{entry_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete an entry outright")
+async def delete_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
+    entry = await load_entry(session, scope(principal), entry_id)
+    await repo.lock_memory(session, entry.memory_id)
+    await repo.add_history(session, _edit_record(entry, "deleted", entry.content, None))
+    await repo.delete_entry(session, entry)
+    await session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> EntryHistory:
+    return EntryHistory(
+        project_id=entry.project_id,
+        memory_id=entry.memory_id,
+        entry_id=entry.id,
+        action=action,
+        content_before=before,
+        content_after=after,
+    )

@@ -1,0 +1,89 @@
+"""Memories: named containers of entries."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from services.api.deps import PrincipalDep, SessionDep, resolve_project, scope
+from services.api.errors import ApiError, not_found
+from services.api.pagination import PagingDep
+from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
+from shared import repository as repo
+from shared.db.models import Memory
+from shared.ids import MEMORY_PREFIX, is_valid_id
+from sqlalchemy.ext.asyncio import AsyncSession
+
+router = APIRouter(prefix="/memories", tags=["memories"])
+
+MAX_TAG_PATTERNS = 20
+
+
+async def load_memory(session: AsyncSession, principal_scope: str | None, memory_id: str) -> Memory:
+    """The memory, or a 404 whether it is absent, malformed or another project's."""
+    memory = None
+    if is_valid_id(memory_id, MEMORY_PREFIX):
+        memory = await repo.get_memory(session, principal_scope, memory_id)
+    if memory is None:
+        raise not_found("memory", memory_id)
+    return memory
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, summary="Create a memory")
+async def create_memory(body: MemoryCreate, session: SessionDep, principal: PrincipalDep) -> MemoryOut:
+    project_id = await resolve_project(session, principal, body.project_id)
+    memory = await repo.create_memory(
+        session,
+        project_id=project_id,
+        name=body.name,
+        description=body.description,
+        tags=body.tags,
+        write_policy=body.write_policy.value,
+    )
+    await session.commit()
+    return MemoryOut.of(memory)
+
+
+@router.get("", summary="List memories, optionally filtered by tag globs (`*`, `?`; ORed)")
+async def list_memories(
+    session: SessionDep,
+    principal: PrincipalDep,
+    paging: PagingDep,
+    project_id: str | None = None,
+    tags: Annotated[list[str], Query(max_length=MAX_TAG_PATTERNS)] = [],  # noqa: B006 - FastAPI copies it
+) -> Page[MemoryOut]:
+    project = await resolve_project(session, principal, project_id)
+    if any(len(pattern) > 128 or "\x00" in pattern for pattern in tags):
+        raise ApiError(400, "tag patterns must be at most 128 characters", meta={"invalid_fields": ["tags"]})
+    rows, total = await repo.list_memories(session, project, tags, paging.limit, paging.offset)
+    return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
+
+
+@router.get("/{memory_id}", summary="Get a memory")
+async def get_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> MemoryOut:
+    return MemoryOut.of(await load_memory(session, scope(principal), memory_id))
+
+
+@router.put("/{memory_id}", summary="Update a memory: only the fields present change")
+async def update_memory(
+    memory_id: str, body: MemoryUpdate, session: SessionDep, principal: PrincipalDep
+) -> MemoryOut:
+    memory = await load_memory(session, scope(principal), memory_id)
+    changes = {field: getattr(body, field) for field in body.model_fields_set}
+    for required in ("name", "write_policy"):
+        if required in changes and changes[required] is None:
+            raise ApiError(400, f"{required} cannot be null", meta={"invalid_fields": [required]})
+    if "write_policy" in changes:
+        changes["write_policy"] = changes["write_policy"].value
+    memory = await repo.update_memory(session, memory, changes)
+    await session.commit()
+    return MemoryOut.of(memory)
+
+
+@router.delete("/{memory_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a memory and its entries")
+async def delete_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
+    memory = await load_memory(session, scope(principal), memory_id)
+    await repo.delete_memory(session, memory)
+    await session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,23 @@
+"""The outcome of a write that answered 202."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from services.api.deps import PrincipalDep, SessionDep, scope
+from services.api.errors import not_found
+from services.api.schemas import WriteStatus
+from shared import repository as repo
+from shared.ids import is_valid_write_id
+
+router = APIRouter(prefix="/memory-writes", tags=["memory entries"])
+
+
+@router.get("/{write_id}", summary="The stored outcome of a write: pending, applied or failed")
+async def get_write(write_id: str, session: SessionDep, principal: PrincipalDep) -> WriteStatus:
+    outcome = None
+    if is_valid_write_id(write_id):
+        outcome = await repo.get_write_outcome_for_project(session, scope(principal), write_id)
+    if outcome is None:
+        raise not_found("write", write_id)
+    return WriteStatus.of(outcome)

@@ -1,0 +1,197 @@
+"""Request and response bodies of the REST API (docs/contract.md). Strict: unknown fields are a 400."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Generic, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, StringConstraints
+
+from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
+from shared.decision import WritePolicy
+from shared.events import (
+    CONTENT_MAX_CHARS,
+    DEFAULT_DUPLICATE_THRESHOLD,
+    METADATA_MAX_BYTES,
+    TAG_MAX_CHARS,
+    TAGS_MAX_COUNT,
+    SourceType,
+    WriteAction,
+)
+
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL; refusing it here keeps it a 400 instead of a database error.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _metadata_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    encoded = json.dumps(value, ensure_ascii=False)
+    if "\\u0000" in encoded:
+        raise ValueError("must not contain NUL characters")
+    if len(encoded.encode()) > METADATA_MAX_BYTES:
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON")
+    return value
+
+
+def _utc(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
+OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(_no_nul)]
+Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(_no_nul)]
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(_no_nul)]
+Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
+Content = Annotated[
+    str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(_no_nul)
+]
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(_metadata_size)]
+Threshold = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# Projects -----------------------------------------------------------------------------------------
+
+
+class ProjectCreate(Strict):
+    name: Name
+
+
+class ProjectOut(BaseModel):
+    id: str
+    name: str
+    created_at: Timestamp
+    updated_at: Timestamp
+
+    @classmethod
+    def of(cls, project: Project) -> ProjectOut:
+        return cls.model_validate(project, from_attributes=True)
+
+
+# Memories -----------------------------------------------------------------------------------------
+
+
+class MemoryCreate(Strict):
+    name: Name
+    description: Description | None = None
+    tags: Tags | None = None
+    project_id: str | None = None
+    write_policy: WritePolicy = Field(
+        default=WritePolicy.SEED, description="`seed` (the product rule) or `guarded` (never skip a changed fact)"
+    )
+
+
+class MemoryUpdate(Strict):
+    name: Name | None = None
+    description: Description | None = None
+    tags: Tags | None = None
+    write_policy: WritePolicy | None = None
+
+
+class MemoryOut(BaseModel):
+    id: str
+    project_id: str
+    name: str
+    description: str | None
+    tags: list[str] | None
+    write_policy: str
+    created_at: Timestamp
+    updated_at: Timestamp
+
+    @classmethod
+    def of(cls, memory: Memory) -> MemoryOut:
+        return cls.model_validate(memory, from_attributes=True)
+
+
+# Entries ------------------------------------------------------------------------------------------
+
+
+class EntryCreate(Strict):
+    memory_id: str
+    content: Content
+    source_type: SourceType = SourceType.MANUAL
+    tags: Tags | None = None
+    metadata: Metadata = None
+    duplicate_threshold: Threshold = DEFAULT_DUPLICATE_THRESHOLD
+
+
+class EntryUpdate(Strict):
+    content: Content | None = None
+    tags: Tags | None = None
+    metadata: Metadata = None
+
+
+class EntryOut(BaseModel):
+    id: str
+    memory_id: str
+    content: str
+    source_type: str
+    tags: list[str] | None
+    metadata: dict[str, Any] | None
+    source_generation_id: str | None
+    source_conversation_id: str | None
+    invalidated_at: OptionalTimestamp
+    superseded_by_entry_id: str | None
+    created_at: Timestamp
+    updated_at: Timestamp
+
+    @classmethod
+    def of(cls, entry: MemoryEntry) -> EntryOut:
+        values = {field: getattr(entry, field) for field in cls.model_fields if field != "metadata"}
+        return cls(**values, metadata=entry.metadata_)
+
+
+class EntryWritten(EntryOut):
+    action: WriteAction
+    write_id: str
+
+
+class WriteAccepted(BaseModel):
+    write_id: str
+    status: str = Field(description="`pending`: the writer has not decided yet; poll GET /memory-writes/{id}")
+
+
+class WriteStatus(BaseModel):
+    write_id: str
+    status: str = Field(description="`pending`, `applied` or `failed`")
+    action: WriteAction | None = None
+    entry_id: str | None = None
+    score: float | None = None
+    error: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, outcome: WriteOutcome) -> WriteStatus:
+        error = None
+        if outcome.status == "failed":
+            error = {"code": outcome.error_code, "message": outcome.error_message}
+        action = WriteAction(outcome.action) if outcome.action else None
+        return cls(
+            write_id=outcome.write_id,
+            status=outcome.status,
+            action=action,
+            entry_id=outcome.entry_id,
+            score=outcome.score,
+            error=error,
+        )
+
+
+# Lists --------------------------------------------------------------------------------------------
+
+Item = TypeVar("Item")
+
+
+class Page(BaseModel, Generic[Item]):
+    data: list[Item]
+    total: int
+    limit: int
+    offset: int

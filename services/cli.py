@@ -1,0 +1,213 @@
+"""`memories`: run the whole system on one machine, or one service, or an operator's task."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from shared.settings import Settings, get_settings
+
+log = logging.getLogger("memories")
+
+_SERVICES = ("api", "writer", "extractor")
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def _parse_partitions(spec: str | None) -> list[int] | None:
+    """`0-7` or `0,3,5`: the partitions a writer replica binds to (default: all)."""
+    if not spec:
+        return None
+    partitions: list[int] = []
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        partitions.extend(range(int(low), int(high or low) + 1))
+    return partitions
+
+
+def _admin_token(settings: Settings) -> str:
+    if settings.memories_admin_token:
+        return settings.memories_admin_token
+    path = settings.data_dir / "admin_token"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.db.migrate import upgrade
+    from shared.servers import EmbeddedNats, EmbeddedPostgres
+
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    started: list[EmbeddedPostgres | EmbeddedNats] = []
+    env = dict(os.environ)
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        if not settings.database_url:
+            postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+            env["DATABASE_URL"] = postgres.start()
+            started.append(postgres)
+            log.info("embedded PostgreSQL at %s", env["DATABASE_URL"])
+        if not settings.nats_url:
+            nats_server = EmbeddedNats(settings.data_dir / "nats")
+            env["NATS_URL"] = nats_server.start()
+            started.append(nats_server)
+            log.info("embedded NATS at %s", env["NATS_URL"])
+        env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
+        env["MEMORIES_HOST"] = args.host or settings.memories_host
+        env["MEMORIES_PORT"] = str(args.port or settings.memories_port)
+        upgrade(env["DATABASE_URL"])
+        for service in _SERVICES:
+            children.append(subprocess.Popen([sys.executable, "-m", "services.cli", service], env=env))
+        _announce(env, settings)
+        return _supervise(children)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        for server in reversed(started):
+            server.stop()
+
+
+def _announce(env: dict[str, str], settings: Settings) -> None:
+    base = f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"
+    lines = [
+        f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs)",
+        f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
+        f"Embeddings: {settings.embedding_model} (in-process, offline)",
+    ]
+    if not settings.memories_merge_model:
+        lines.append(
+            "No LLM provider is configured: agent merges fall back to create, and automatic extraction is off. "
+            "Set MEMORIES_MERGE_MODEL (a litellm model) and the provider's key to enable them."
+        )
+    print("\n".join(lines), flush=True)
+
+
+def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:
+    stop = False
+
+    def request_stop(_signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    while not stop:
+        for child in children:
+            if child.poll() is not None:
+                log.error("service %s exited with %s; stopping everything", child.args, child.returncode)
+                return child.returncode or 1
+        time.sleep(0.2)
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.api.main import create_app
+
+    settings = get_settings()
+    uvicorn.run(
+        create_app(settings),
+        host=args.host or settings.memories_host,
+        port=args.port or settings.memories_port,
+        log_level="info",
+        access_log=False,
+    )
+    return 0
+
+
+def cmd_writer(args: argparse.Namespace) -> int:
+    from services.writer.main import run
+
+    asyncio.run(run(get_settings(), _parse_partitions(args.partitions)))
+    return 0
+
+
+def cmd_extractor(_args: argparse.Namespace) -> int:
+    from services.extractor.main import run
+
+    asyncio.run(run(get_settings()))
+    return 0
+
+
+def cmd_migrate(_args: argparse.Namespace) -> int:
+    from shared.db.migrate import upgrade
+
+    settings = get_settings()
+    if not settings.database_url:
+        print("DATABASE_URL is not set", file=sys.stderr)
+        return 2
+    upgrade(settings.database_url)
+    return 0
+
+
+def cmd_bus_init(_args: argparse.Namespace) -> int:
+    from shared import bus
+
+    settings = get_settings()
+    if not settings.nats_url:
+        print("NATS_URL is not set", file=sys.stderr)
+        return 2
+
+    async def apply() -> None:
+        nc = await bus.connect(settings.nats_url or "", name="memories-bus-init")
+        try:
+            await bus.ensure_layout(nc.jetstream(), settings)
+        finally:
+            await nc.close()
+
+    asyncio.run(apply())
+    print(f"streams and consumers applied ({settings.memories_partitions} partitions)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memories", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="embedded PostgreSQL + NATS, migrations, api, writer and extractor")
+    up.add_argument("--host")
+    up.add_argument("--port", type=int)
+    up.set_defaults(func=cmd_up)
+    api = sub.add_parser("api", help="run the REST API against DATABASE_URL and NATS_URL")
+    api.add_argument("--host")
+    api.add_argument("--port", type=int)
+    api.set_defaults(func=cmd_api)
+    writer = sub.add_parser("writer", help="run one writer replica")
+    writer.add_argument("--partitions", help="e.g. 0-7 or 0,3,5 (default: all)")
+    writer.set_defaults(func=cmd_writer)
+    sub.add_parser("extractor", help="run one extractor replica").set_defaults(func=cmd_extractor)
+    sub.add_parser("migrate", help="apply the database migrations").set_defaults(func=cmd_migrate)
+    bus_parser = sub.add_parser("bus", help="NATS JetStream layout")
+    bus_sub = bus_parser.add_subparsers(dest="bus_command", required=True)
+    bus_sub.add_parser("init", help="create or update streams and consumers").set_defaults(func=cmd_bus_init)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _configure_logging()
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,101 @@
+"""One write message in, one decision out: decode, apply through shared.writes, ack, announce.
+
+Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
+any other failure (database or bus down) is retried with backoff and dead-lettered after max_deliver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from faststream.nats.message import NatsMessage
+from nats.aio.client import Client as NatsClient
+from pydantic import ValidationError
+
+from shared import bus
+from shared.events import MemoryEntryChanged, MemoryWriteRequested
+from shared.ids import new_id
+from shared.settings import Settings
+from shared.writes import AppliedWrite, WriteApplier
+
+log = logging.getLogger("memories.writer")
+
+
+class WriteHandler:
+    def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings) -> None:
+        self._applier = applier
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._max_deliver = settings.memories_max_deliver
+
+    async def handle(self, message: NatsMessage) -> None:
+        raw = message.raw_message
+        try:
+            event = MemoryWriteRequested.model_validate_json(message.body)
+        except ValidationError as exc:
+            await self._dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
+            await message.ack()
+            return
+        if not raw.subject.endswith(f".{event.memory_id}"):
+            await self._dead_letter(raw.subject, message.body, reason="subject does not name the event's memory")
+            await message.ack()
+            return
+
+        try:
+            applied = await self._applier.apply(event)
+        except Exception as exc:  # noqa: BLE001 - transient by default: database or bus unavailable
+            delivered = raw.metadata.num_delivered if raw.metadata else 1
+            log.warning(
+                "write failed, will retry",
+                extra={"write_id": event.write_id, "memory_id": event.memory_id, "attempt": delivered},
+                exc_info=exc,
+            )
+            if delivered >= self._max_deliver:
+                await self._dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
+                await message.ack()
+            else:
+                await message.nack(delay=min(0.2 * 2**delivered, 5.0))
+            return
+
+        await message.ack()
+        log.info(
+            "write decided",
+            extra={
+                "write_id": event.write_id,
+                "memory_id": event.memory_id,
+                "action": applied.outcome.action,
+                "entry_id": applied.outcome.entry_id,
+            },
+        )
+        await self._announce(event, applied)
+
+    async def _announce(self, event: MemoryWriteRequested, applied: AppliedWrite) -> None:
+        """After commit: answer the waiting API, then feed the change stream. Losing either loses no data."""
+        if event.reply_subject:
+            await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())
+        if applied.change is not None and applied.outcome.entry_id:
+            change = MemoryEntryChanged(
+                event_id=new_id("evt_"),
+                project_id=event.project_id,
+                memory_id=event.memory_id,
+                entry_id=applied.outcome.entry_id,
+                kind=applied.change,
+                write_id=event.write_id,
+            )
+            try:
+                await self._js.publish(
+                    bus.event_subject(event.project_id, applied.change.value),
+                    change.model_dump_json().encode(),
+                    stream=bus.EVENTS_STREAM,
+                    headers={"Nats-Msg-Id": f"{event.write_id}:{applied.change.value}"},
+                )
+            except Exception:  # noqa: BLE001 - the change feed is best-effort; the write is committed
+                log.exception("could not publish change event", extra={"write_id": event.write_id})
+
+    async def _dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
+        log.error("dead-lettering message from %s: %s", subject, reason)
+        envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
+        await self._js.publish(
+            bus.dead_letter_subject("writer"), json.dumps(envelope).encode(), stream=bus.DEAD_LETTER_STREAM
+        )

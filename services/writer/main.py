@@ -1,0 +1,90 @@
+"""The writer: consumes MEMORY_WRITES, one durable pull consumer per partition, and decides each write.
+
+Any number of replicas may run: each binds to every partition's durable consumer (or to the partitions it
+is given), and `max_ack_pending=1` on those consumers lets only one write per partition be in flight across
+all of them. The database lock and the write-outcome table make redeliveries harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from faststream.middlewares import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from nats.aio.client import Client as NatsClient
+
+from services.writer.handler import WriteHandler
+from shared import bus
+from shared.batching import BatchingEmbedder
+from shared.db.session import create_engine, session_factory
+from shared.embeddings import embed_texts
+from shared.lifecycle import wait_for_shutdown_signal
+from shared.settings import Settings
+from shared.writes import WriteApplier
+
+log = logging.getLogger("memories.writer")
+
+
+class Writer:
+    """Owns the writer's connections; `start`/`stop` let tests run replicas in-process."""
+
+    def __init__(self, settings: Settings, partitions: Sequence[int] | None = None) -> None:
+        assert settings.database_url and settings.nats_url
+        self.settings = settings
+        self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
+        self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=10.0, logger=None)
+        self._engine = create_engine(settings.database_url, pool_size=4)
+        self._nc: NatsClient | None = None
+        self._handler: WriteHandler | None = None
+        for partition in self.partitions:
+            self._subscribe(partition)
+
+    def _subscribe(self, partition: int) -> None:
+        @self.broker.subscriber(
+            bus.partition_filter(partition),
+            # The layout is ours (shared.bus); FastStream only binds to the existing stream and consumer.
+            stream=JStream(bus.WRITES_STREAM, declare=False),
+            durable=bus.writer_durable(partition),
+            pull_sub=PullSub(batch_size=1, timeout=1.0),
+            ack_policy=AckPolicy.MANUAL,
+            no_reply=True,
+        )
+        async def handle_write(message: NatsMessage) -> None:
+            assert self._handler is not None
+            await self._handler.handle(message)
+
+    async def start(self) -> None:
+        self._nc = await bus.connect(self.settings.nats_url or "", name="memories-writer")
+        await bus.ensure_layout(self._nc.jetstream(), self.settings)
+        model = self.settings.embedding_model
+        dimensions = self.settings.embedding_dimensions
+
+        async def embed_batch(texts: list[str]) -> list[list[float]]:
+            return await embed_texts(texts, model=model, dimensions=dimensions)
+
+        applier = WriteApplier(session_factory(self._engine), BatchingEmbedder(embed_batch), model)
+        self._handler = WriteHandler(applier, self._nc, self.settings)
+        await self.broker.start()
+        log.info("writer consuming partitions %s", _ranges(self.partitions))
+
+    async def stop(self) -> None:
+        await self.broker.stop()
+        if self._nc is not None:
+            await self._nc.drain()
+        await self._engine.dispose()
+
+
+def _ranges(partitions: Sequence[int]) -> str:
+    return ",".join(str(p) for p in partitions) if len(partitions) < 8 else f"{partitions[0]}..{partitions[-1]}"
+
+
+async def run(settings: Settings, partitions: Sequence[int] | None = None) -> None:
+    """`memories writer`: run until SIGINT/SIGTERM, then finish the message in hand and stop."""
+    writer = Writer(settings, partitions)
+    await writer.start()
+    try:
+        await wait_for_shutdown_signal()
+    finally:
+        await writer.stop()

@@ -1,0 +1,147 @@
+"""The JetStream layout (streams, subjects, durable consumers) as code, and the write publisher.
+
+`ensure_layout` is what `memories bus init` applies; every service also applies it at start, so a fresh
+deployment needs no manual step. Settings of an existing consumer are updated in place, because a durable
+consumer otherwise keeps the settings it was created with.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+WRITES_STREAM = "MEMORY_WRITES"
+EVENTS_STREAM = "MEMORY_EVENTS"
+DEAD_LETTER_STREAM = "DEAD_LETTERS"
+WRITE_SUBJECT_ROOT = "memories.write"
+EVENT_SUBJECT_ROOT = "memories.events"
+DEAD_LETTER_ROOT = "dlq"
+WRITE_ATTEMPT_HEADER = "Memories-Attempt"
+
+
+def partition_of(memory_id: str, partitions: int) -> int:
+    """Stable across processes and restarts (Python's hash() is salted per process)."""
+    return zlib.crc32(memory_id.encode()) % partitions
+
+
+def write_subject(memory_id: str, partitions: int) -> str:
+    return f"{WRITE_SUBJECT_ROOT}.{partition_of(memory_id, partitions)}.{memory_id}"
+
+
+def partition_filter(partition: int) -> str:
+    return f"{WRITE_SUBJECT_ROOT}.{partition}.*"
+
+
+def writer_durable(partition: int) -> str:
+    return f"writer-p{partition}"
+
+
+def event_subject(project_id: str, kind: str) -> str:
+    return f"{EVENT_SUBJECT_ROOT}.{project_id}.{kind}"
+
+
+def dead_letter_subject(origin: str) -> str:
+    return f"{DEAD_LETTER_ROOT}.{origin}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    streams: list[StreamConfig]
+    consumers: dict[str, list[ConsumerConfig]]
+
+
+def layout(settings: Settings) -> Layout:
+    replicas = settings.memories_stream_replicas
+    window = settings.memories_duplicate_window_s
+    writes = StreamConfig(
+        name=WRITES_STREAM,
+        subjects=[f"{WRITE_SUBJECT_ROOT}.>"],
+        # Each message is for exactly one partition's consumer and is gone once acknowledged.
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=window,
+    )
+    events = StreamConfig(
+        name=EVENTS_STREAM,
+        subjects=[f"{EVENT_SUBJECT_ROOT}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=7 * 24 * 3600,
+        duplicate_window=window,
+    )
+    dead = StreamConfig(
+        name=DEAD_LETTER_STREAM,
+        subjects=[f"{DEAD_LETTER_ROOT}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=30 * 24 * 3600,
+    )
+    writers = [
+        ConsumerConfig(
+            durable_name=writer_durable(p),
+            name=writer_durable(p),
+            filter_subject=partition_filter(p),
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            # One unacknowledged write per partition, whichever replica fetched it: decisions stay in order.
+            max_ack_pending=1,
+            ack_wait=settings.memories_ack_wait_s,
+            max_deliver=settings.memories_max_deliver,
+        )
+        for p in range(settings.memories_partitions)
+    ]
+    return Layout(streams=[writes, events, dead], consumers={WRITES_STREAM: writers})
+
+
+async def ensure_layout(js: JetStreamContext, settings: Settings) -> None:
+    plan = layout(settings)
+    for stream in plan.streams:
+        try:
+            await js.stream_info(stream.name or "")
+            await js.update_stream(stream)
+        except NotFoundError:
+            await js.add_stream(stream)
+    for stream_name, consumers in plan.consumers.items():
+        for consumer in consumers:
+            await _ensure_consumer(js, stream_name, consumer)
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
+    try:
+        await js.add_consumer(stream, config=config)
+    except BadRequestError:
+        # Some fields cannot change in place (e.g. the filter): recreate. Unacked messages stay in the stream.
+        log.warning("recreating consumer %s on %s with new settings", config.durable_name, stream)
+        await js.delete_consumer(stream, config.durable_name or "")
+        await js.add_consumer(stream, config=config)
+
+
+async def connect(url: str, *, name: str) -> NatsClient:
+    return await nats.connect(
+        servers=url.split(","),
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+    )

@@ -1,0 +1,107 @@
+"""Tables. The schema itself is built by the Alembic migrations in shared/db/migrations, never create_all."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pgvector.sqlalchemy import Vector
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Identity, Integer, String, Text, func
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def _created() -> Mapped[datetime]:
+    return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+class Project(Base):
+    __tablename__ = "projects"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class Memory(Base):
+    __tablename__ = "memories"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    description: Mapped[str | None] = mapped_column(Text)
+    tags: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    write_policy: Mapped[str] = mapped_column(String(32), server_default="seed")
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class MemoryEntry(Base):
+    __tablename__ = "memory_entries"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    memory_id: Mapped[str] = mapped_column(ForeignKey("memories.id", ondelete="CASCADE"))
+    # Denormalised from the memory (which never changes project) so isolation needs no join.
+    project_id: Mapped[str] = mapped_column(String(32))
+    content: Mapped[str] = mapped_column(Text)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    # The dimension is fixed when the schema is first migrated (Settings.embedding_dimensions).
+    embedding: Mapped[list[float]] = mapped_column(Vector())
+    embedding_model: Mapped[str] = mapped_column(String(255))
+    source_type: Mapped[str] = mapped_column(String(32), server_default="manual")
+    tags: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
+    source_generation_id: Mapped[str | None] = mapped_column(String(255))
+    source_conversation_id: Mapped[str | None] = mapped_column(String(255))
+    invalidated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    superseded_by_entry_id: Mapped[str | None] = mapped_column(
+        ForeignKey("memory_entries.id", ondelete="SET NULL")
+    )
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class WriteOutcome(Base):
+    """One row per write id: the idempotency record, written in the decision's transaction."""
+
+    __tablename__ = "write_outcomes"
+
+    write_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(32))
+    memory_id: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # applied | failed
+    action: Mapped[str | None] = mapped_column(String(16))
+    entry_id: Mapped[str | None] = mapped_column(String(32))
+    score: Mapped[float | None] = mapped_column(Float)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    failed_attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class EntryHistory(Base):
+    """Append-only audit of every decision that touched an entry."""
+
+    __tablename__ = "entry_history"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    write_id: Mapped[str | None] = mapped_column(String(64))
+    project_id: Mapped[str] = mapped_column(String(32))
+    memory_id: Mapped[str] = mapped_column(String(32))
+    entry_id: Mapped[str] = mapped_column(String(32))
+    related_entry_id: Mapped[str | None] = mapped_column(String(32))
+    action: Mapped[str] = mapped_column(String(16))
+    rule: Mapped[str | None] = mapped_column(String(64))
+    score: Mapped[float | None] = mapped_column(Float)
+    candidate_ids: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    model: Mapped[str | None] = mapped_column(String(255))
+    prompt_version: Mapped[str | None] = mapped_column(String(32))
+    content_before: Mapped[str | None] = mapped_column(Text)
+    content_after: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created()

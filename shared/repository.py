@@ -1,0 +1,270 @@
+"""All SQL of the service. Functions take a session and never commit: the caller owns the transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, and_, delete, func, literal_column, or_, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from shared.db.models import EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
+from shared.decision import Candidate
+from shared.ids import ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
+
+STALE_PENDING = timedelta(seconds=30)
+"""A pending write this old has lost its caller; a retry with its key may publish it again."""
+
+
+def glob_to_like(pattern: str) -> str:
+    """`*` and `?` are the only wildcards; a caller's `%`, `_` and `\\` are literal."""
+    escaped = pattern.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped.replace("*", "%").replace("?", "_")
+
+
+def tags_match_any(column: Any, patterns: Sequence[str]) -> Any:
+    """SQL condition: some tag in the array column matches some glob (case-insensitive, ORed)."""
+    likes = [glob_to_like(p) for p in patterns]
+    tag = func.unnest(column).table_valued("tag").alias("t")
+    return (
+        select(literal_column("1"))
+        .select_from(tag)
+        .where(or_(*[func.lower(tag.c.tag).like(like, escape="\\") for like in likes]))
+        .exists()
+    )
+
+
+async def _page(session: AsyncSession, query: Select[Any], limit: int, offset: int) -> tuple[list[Any], int]:
+    total = await session.scalar(select(func.count()).select_from(query.order_by(None).subquery()))
+    rows = (await session.scalars(query.limit(limit).offset(offset))).all()
+    return list(rows), int(total or 0)
+
+
+# Projects ---------------------------------------------------------------------------------------
+
+
+async def create_project(session: AsyncSession, name: str) -> Project:
+    project = Project(id=new_id(PROJECT_PREFIX), name=name)
+    session.add(project)
+    await session.flush()
+    await session.refresh(project)
+    return project
+
+
+async def get_project(session: AsyncSession, project_id: str) -> Project | None:
+    return await session.get(Project, project_id)
+
+
+async def list_projects(session: AsyncSession, limit: int, offset: int) -> tuple[list[Project], int]:
+    return await _page(session, select(Project).order_by(Project.created_at, Project.id), limit, offset)
+
+
+# Memories ---------------------------------------------------------------------------------------
+
+
+async def create_memory(
+    session: AsyncSession,
+    *,
+    project_id: str,
+    name: str,
+    description: str | None,
+    tags: list[str] | None,
+    write_policy: str,
+) -> Memory:
+    memory = Memory(
+        id=new_id(MEMORY_PREFIX),
+        project_id=project_id,
+        name=name,
+        description=description,
+        tags=tags,
+        write_policy=write_policy,
+    )
+    session.add(memory)
+    await session.flush()
+    await session.refresh(memory)
+    return memory
+
+
+def _visible(row: Any, project_id: str | None) -> Any:
+    """A row of another project is as good as absent (None scope: the admin sees every project)."""
+    return row if row is not None and project_id in (None, row.project_id) else None
+
+
+async def get_memory(session: AsyncSession, project_id: str | None, memory_id: str) -> Memory | None:
+    return _visible(await session.get(Memory, memory_id), project_id)
+
+
+async def list_memories(
+    session: AsyncSession, project_id: str, tag_patterns: Sequence[str], limit: int, offset: int
+) -> tuple[list[Memory], int]:
+    query = select(Memory).where(Memory.project_id == project_id)
+    if tag_patterns:
+        query = query.where(tags_match_any(Memory.tags, tag_patterns))
+    return await _page(session, query.order_by(Memory.created_at, Memory.id), limit, offset)
+
+
+async def update_memory(session: AsyncSession, memory: Memory, changes: dict[str, Any]) -> Memory:
+    for field, value in changes.items():
+        setattr(memory, field, value)
+    memory.updated_at = func.now()
+    await session.flush()
+    await session.refresh(memory)
+    return memory
+
+
+async def delete_memory(session: AsyncSession, memory: Memory) -> None:
+    await session.execute(delete(Memory).where(Memory.id == memory.id))
+
+
+# Entries ----------------------------------------------------------------------------------------
+
+
+async def get_entry(session: AsyncSession, project_id: str | None, entry_id: str) -> MemoryEntry | None:
+    return _visible(await session.get(MemoryEntry, entry_id), project_id)
+
+
+async def list_entries(
+    session: AsyncSession, memory_id: str, include_invalidated: bool, limit: int, offset: int
+) -> tuple[list[MemoryEntry], int]:
+    query = select(MemoryEntry).where(MemoryEntry.memory_id == memory_id)
+    if not include_invalidated:
+        query = query.where(MemoryEntry.invalidated_at.is_(None))
+    return await _page(session, query.order_by(MemoryEntry.created_at, MemoryEntry.id), limit, offset)
+
+
+async def lock_memory(session: AsyncSession, memory_id: str) -> None:
+    """Serialise decisions on one memory for the rest of the transaction, across every writer replica."""
+    await session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"), {"key": memory_id})
+
+
+async def find_exact_copy(session: AsyncSession, memory_id: str, content_hash: str) -> Candidate | None:
+    row = (
+        await session.execute(
+            select(MemoryEntry.id, MemoryEntry.content)
+            .where(
+                MemoryEntry.memory_id == memory_id,
+                MemoryEntry.content_hash == content_hash,
+                MemoryEntry.invalidated_at.is_(None),
+            )
+            .order_by(MemoryEntry.created_at, MemoryEntry.id)
+            .limit(1)
+        )
+    ).first()
+    return Candidate(row.id, row.content, 1.0) if row else None
+
+
+async def find_nearest(
+    session: AsyncSession, memory_id: str, embedding: Sequence[float], limit: int = 1
+) -> list[Candidate]:
+    """The most similar valid entries of one memory, by cosine similarity."""
+    # Iterative scans keep an HNSW scan going until enough rows pass the memory filter (pgvector 0.8).
+    await session.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+    distance = MemoryEntry.embedding.cosine_distance(embedding)
+    rows = (
+        await session.execute(
+            select(MemoryEntry.id, MemoryEntry.content, distance.label("distance"))
+            .where(MemoryEntry.memory_id == memory_id, MemoryEntry.invalidated_at.is_(None))
+            .order_by(distance)
+            .limit(limit)
+        )
+    ).all()
+    return sorted(
+        (Candidate(row.id, row.content, 1.0 - float(row.distance)) for row in rows),
+        key=lambda candidate: -candidate.score,
+    )
+
+
+async def insert_entry(session: AsyncSession, **values: Any) -> MemoryEntry:
+    entry = MemoryEntry(id=new_id(ENTRY_PREFIX), **values)
+    session.add(entry)
+    await session.flush()
+    await session.refresh(entry)
+    return entry
+
+
+async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[str, Any]) -> MemoryEntry:
+    for field, value in changes.items():
+        setattr(entry, field, value)
+    entry.updated_at = func.now()
+    await session.flush()
+    await session.refresh(entry)
+    return entry
+
+
+async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
+    await session.execute(delete(MemoryEntry).where(MemoryEntry.id == entry.id))
+
+
+async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str, at: datetime) -> None:
+    await session.execute(
+        update(MemoryEntry)
+        .where(MemoryEntry.id == entry_id)
+        .values(invalidated_at=at, superseded_by_entry_id=replacement_id, updated_at=func.now())
+    )
+
+
+# Write outcomes and history ---------------------------------------------------------------------
+
+
+async def get_write_outcome(session: AsyncSession, write_id: str) -> WriteOutcome | None:
+    return await session.get(WriteOutcome, write_id)
+
+
+async def get_write_outcome_for_project(
+    session: AsyncSession, project_id: str | None, write_id: str
+) -> WriteOutcome | None:
+    return _visible(await session.get(WriteOutcome, write_id), project_id)
+
+
+async def save_write_outcome(session: AsyncSession, outcome: WriteOutcome) -> None:
+    await session.merge(outcome)
+    await session.flush()
+
+
+async def claim_write_id(
+    session: AsyncSession, write_id: str, project_id: str, memory_id: str
+) -> tuple[WriteOutcome, bool]:
+    """Record a write as pending unless its id is known. Returns the record and whether this call owns the
+    attempt: a new id, or one whose earlier attempt failed (a retry), or one left pending by a caller that
+    gave up (its publish may never have happened; the bus drops it if it did)."""
+    inserted = await session.scalar(
+        insert(WriteOutcome)
+        .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending")
+        .on_conflict_do_nothing(index_elements=[WriteOutcome.write_id])
+        .returning(WriteOutcome.write_id)
+    )
+    outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
+    assert outcome is not None
+    if inserted is not None:
+        return outcome, True
+    retried = await session.scalar(
+        update(WriteOutcome)
+        .where(
+            WriteOutcome.write_id == write_id,
+            or_(
+                WriteOutcome.status == "failed",
+                and_(WriteOutcome.status == "pending", WriteOutcome.updated_at < func.now() - STALE_PENDING),
+            ),
+        )
+        .values(status="pending", updated_at=func.now())
+        .returning(WriteOutcome.write_id)
+    )
+    if retried is not None:
+        await session.refresh(outcome)
+    return outcome, retried is not None
+
+
+async def add_history(session: AsyncSession, record: EntryHistory) -> None:
+    session.add(record)
+    await session.flush()
+
+
+async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistory]:
+    query = (
+        select(EntryHistory)
+        .where(or_(EntryHistory.entry_id == entry_id, EntryHistory.related_entry_id == entry_id))
+        .order_by(EntryHistory.id)
+    )
+    return list((await session.scalars(query)).all())

@@ -1,0 +1,51 @@
+"""The one settings tree. Nothing else in the project reads the environment."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", case_sensitive=False)
+
+    # Servers. Unset means "start the embedded ones" (local run, tests).
+    database_url: str | None = Field(default=None, description="postgresql+psycopg://… of a PostgreSQL with pgvector")
+    nats_url: str | None = Field(default=None, description="nats://host:port[,nats://…] of a JetStream-enabled NATS")
+    memories_data_dir: Path = Field(default=Path(".memories"), description="where the embedded servers keep data")
+
+    # API process.
+    memories_host: str = "127.0.0.1"
+    memories_port: int = 8000
+    memories_admin_token: str | None = Field(default=None, description="bearer token of the admin routes")
+    memories_write_timeout_s: float = Field(default=10.0, gt=0, description="wait for the writer before a 202")
+
+    # Bus layout. Changing the partition count means draining MEMORY_WRITES first (docs/operations.md).
+    memories_partitions: int = Field(default=16, ge=1, le=1024)
+    memories_stream_replicas: int = Field(default=1, ge=1, le=5)
+    memories_duplicate_window_s: float = Field(default=120.0, gt=0)
+    memories_ack_wait_s: float = Field(default=30.0, gt=0)
+    memories_max_deliver: int = Field(default=5, ge=1)
+
+    # Models. The embedding dimension is fixed by the first migration.
+    embedding_model: str = "local/all-minilm-l6-v2-int8"
+    embedding_dimensions: int = Field(default=384, ge=1, le=16000)
+    memories_merge_model: str | None = Field(
+        default=None, description="litellm model for merges when the agent context names none"
+    )
+    memories_llm_timeout_s: float = Field(default=30.0, gt=0)
+
+    # Metrics port of the writer and extractor processes (0 = off).
+    memories_metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.memories_data_dir.expanduser().resolve()
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
