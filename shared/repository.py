@@ -27,7 +27,7 @@ def glob_to_like(pattern: str) -> str:
 def tags_match_any(column: Any, patterns: Sequence[str]) -> Any:
     """SQL condition: some tag in the array column matches some glob (case-insensitive, ORed)."""
     likes = [glob_to_like(p) for p in patterns]
-    tag = func.unnest(column).table_valued("tag").alias("t")
+    tag = func.unnest(column).table_valued("tag").render_derived("t")
     return (
         select(literal_column("1"))
         .select_from(tag)

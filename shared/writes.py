@@ -64,7 +64,7 @@ class WriteApplier:
             async with self._sessions.begin() as session:
                 return await self._apply_locked(session, event, digest, embedding)
         except EmbeddingError as exc:
-            return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", f"embedding failed: {exc}")
+            return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
         except MemoryGone:
             return await self._record_failure(event, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
 

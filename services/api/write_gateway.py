@@ -16,6 +16,9 @@ from shared.events import MemoryWriteOutcome, MemoryWriteRequested
 
 log = logging.getLogger("memories.api")
 
+PUBLISH_TIMEOUT_S = 5.0
+"""How long JetStream may take to acknowledge a publish before the bus counts as unavailable."""
+
 
 class BusUnavailable(Exception):
     pass
@@ -54,7 +57,7 @@ class WriteGateway:
                     bus.write_subject(event.memory_id, self._partitions),
                     event.model_dump_json().encode(),
                     stream=bus.WRITES_STREAM,
-                    timeout=min(timeout, 5.0),
+                    timeout=PUBLISH_TIMEOUT_S,
                     # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.
                     headers={"Nats-Msg-Id": f"{event.write_id}.{attempt}"},
                 )

@@ -161,7 +161,7 @@ async def update_entry(
                     [body.content], model=settings.embedding_model, dimensions=settings.embedding_dimensions
                 )
             except EmbeddingError as exc:
-                raise ApiError(503, f"embedding failed: {exc}") from exc
+                raise ApiError(503, str(exc)) from exc
             changes.update(
                 content=body.content,
                 content_hash=content_hash(body.content),

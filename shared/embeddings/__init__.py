@@ -1,0 +1,105 @@
+"""Text embeddings: every model through litellm, with an offline default model served in-process.
+
+The default, `local/all-minilm-l6-v2-int8`, is all-MiniLM-L6-v2 (int8 ONNX, 384 dimensions) run
+by onnxruntime on the CPU, registered with litellm as the custom provider "local". Remote models
+(`openai/text-embedding-3-small`, …) go through the very same call.
+
+Importing this package is cheap: litellm, onnxruntime and the tokenizer load on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "LOCAL_DIMENSIONS",
+    "LOCAL_MODEL",
+    "EmbeddingError",
+    "cosine",
+    "embed_texts",
+    "register_local_provider",
+]
+
+LOCAL_MODEL = "local/all-minilm-l6-v2-int8"
+LOCAL_DIMENSIONS = 384
+_LOCAL_PREFIX = "local/"
+
+
+class EmbeddingError(Exception):
+    """The embedding model failed, or answered something unusable. The message names the model."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(f"embedding model {model!r} failed: {reason}")
+        self.model = model
+        self.reason = reason
+
+
+def register_local_provider() -> None:
+    """Make `local/…` models callable through litellm. Idempotent and thread-safe."""
+    from . import _provider  # imports litellm, with its offline cost map
+
+    _provider.register()
+
+
+async def embed_texts(texts: list[str], *, model: str, dimensions: int | None = None) -> list[list[float]]:
+    """One L2-normalised vector per text, in order, from one litellm call for the whole batch.
+
+    `dimensions`, when given, is both asked of providers that can shorten their vectors and
+    checked on every returned vector.
+    """
+    if not texts:
+        return []
+    register_local_provider()
+    from ._provider import litellm
+
+    kwargs: dict[str, Any] = {}
+    if dimensions is not None and not model.startswith(_LOCAL_PREFIX):
+        # litellm rejects `dimensions` for custom providers outright, and for remote models that
+        # cannot shorten; drop_params turns that into "ignored", and the length check below decides.
+        kwargs.update(dimensions=dimensions, drop_params=True)
+    try:
+        response = await litellm.aembedding(model=model, input=list(texts), **kwargs)
+    except Exception as exc:  # litellm maps provider failures onto many exception types
+        raise EmbeddingError(model, f"{type(exc).__name__}: {exc}") from exc
+    return _unit_vectors(response, model, len(texts), dimensions)
+
+
+def _unit_vectors(response: Any, model: str, expected: int, dimensions: int | None) -> list[list[float]]:
+    data = list(getattr(response, "data", None) or [])
+    if len(data) != expected:
+        raise EmbeddingError(model, f"{len(data)} vectors returned for {expected} texts")
+
+    def field(item: Any, name: str) -> Any:
+        # Providers hand back plain dicts or openai `Embedding` objects.
+        return item.get(name) if isinstance(item, Mapping) else getattr(item, name, None)
+
+    if all(isinstance(field(item, "index"), int) for item in data):
+        data.sort(key=lambda item: field(item, "index"))
+    raw = [field(item, "embedding") for item in data]
+    if not all(isinstance(v, Sequence) and not isinstance(v, str) for v in raw):
+        raise EmbeddingError(model, "a returned embedding is not a list of floats")
+    lengths = {len(v) for v in raw}
+    if dimensions is not None and lengths != {dimensions}:
+        raise EmbeddingError(model, f"vectors of length {sorted(lengths)} returned, {dimensions} expected")
+    if len(lengths) != 1:
+        raise EmbeddingError(model, f"vectors of differing lengths {sorted(lengths)} returned")
+    matrix = np.asarray(raw, dtype=np.float64)
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    # A zero or non-finite vector has no direction, so no cosine can be computed against it.
+    if not np.all(np.isfinite(norms)) or np.any(norms == 0.0):
+        raise EmbeddingError(model, "a returned vector is zero or not finite")
+    unit: list[list[float]] = (matrix / norms).tolist()
+    return unit
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine similarity; 0.0 when either vector is zero (no direction, so no similarity)."""
+    if len(a) != len(b):
+        raise ValueError(f"cosine of vectors of lengths {len(a)} and {len(b)}")
+    dot = math.fsum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm else 0.0

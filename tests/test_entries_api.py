@@ -1,0 +1,159 @@
+"""Memory entries over REST: the manual write path through the bus, and the CRUD around it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+ENTRY_FIELDS = {
+    "id", "memory_id", "content", "source_type", "tags", "metadata", "source_generation_id",
+    "source_conversation_id", "invalidated_at", "superseded_by_entry_id", "created_at", "updated_at",
+}
+
+
+async def write(client: httpx.AsyncClient, memory_id: str, content: str, **fields: Any) -> httpx.Response:
+    return await client.post("/memory-entries", json={"memory_id": memory_id, "content": content, **fields})
+
+
+async def test_create_then_repeat_is_skipped(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    created = await write(client, memory["id"], "Customer prefers email over phone calls")
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert body["action"] == "created" and set(body) >= ENTRY_FIELDS
+    assert body["id"].startswith("mem_entry_") and body["source_type"] == "manual"
+    assert body["source_generation_id"] is None and body["invalidated_at"] is None
+
+    for repeat in ("Customer prefers email over phone calls", "  customer PREFERS email over phone calls. "):
+        skipped = await write(client, memory["id"], repeat)
+        assert skipped.status_code == 200
+        assert skipped.json()["action"] == "skipped" and skipped.json()["id"] == body["id"]
+
+
+async def test_threshold_decides_near_duplicates(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    first = (await write(client, memory["id"], "Customer prefers email over phone calls")).json()
+    paraphrase = "The customer would rather be emailed than phoned"
+    lenient = await write(client, memory["id"], paraphrase, duplicate_threshold=0.5)
+    assert lenient.json()["action"] == "skipped" and lenient.json()["id"] == first["id"]
+    strict = await write(client, memory["id"], paraphrase)
+    assert strict.status_code == 201 and strict.json()["action"] == "created"
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        ({"duplicate_threshold": 1.5}, 400),
+        ({"duplicate_threshold": -0.1}, 400),
+        ({"duplicate_threshold": "high"}, 400),
+        ({"source_type": "robot"}, 400),
+        ({"tags": ["t"] * 65}, 400),
+        ({"tags": [7]}, 400),
+        ({"metadata": [1, 2]}, 400),
+        ({"metadata": {"blob": "x" * 20_000}}, 400),
+        ({"surprise": True}, 400),
+    ],
+)
+async def test_create_entry_validation(
+    client: httpx.AsyncClient, memory: dict[str, Any], fields: dict[str, Any], status: int
+) -> None:
+    response = await write(client, memory["id"], "A fact", **fields)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == "VALIDATION_FAILED"
+
+
+async def test_content_limits(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    too_long = await write(client, memory["id"], "x" * 8_001)
+    assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
+    assert (await write(client, memory["id"], "")).status_code == 400
+    assert (await write(client, memory["id"], "nul\u0000byte")).status_code == 400
+    missing = await client.post("/memory-entries", json={"memory_id": memory["id"]})
+    assert missing.json()["error"]["meta"]["missing_fields"] == ["content"]
+
+
+async def test_unknown_memory_is_404(client: httpx.AsyncClient) -> None:
+    for memory_id in ("mem_0000000000000000", "nope"):
+        response = await write(client, memory_id, "A fact")
+        assert response.status_code == 404 and response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
+async def test_tags_metadata_and_source_type_are_stored(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    body = (
+        await write(
+            client,
+            memory["id"],
+            "Reject refunds above $500 for the traffic-manager role",
+            tags=["role:traffic-manager", "source:rejected_approval"],
+            metadata={"evidence": "high"},
+            source_type="orchestration",
+        )
+    ).json()
+    assert body["tags"] == ["role:traffic-manager", "source:rejected_approval"]
+    assert body["metadata"] == {"evidence": "high"} and body["source_type"] == "orchestration"
+
+
+async def test_invalidated_entries_leave_list_and_dedup_but_stay_readable(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    old = (await write(client, memory["id"], "The office is in Berlin")).json()
+    async with sessions.begin() as session:
+        await session.execute(
+            text("UPDATE memory_entries SET invalidated_at = now() WHERE id = :id"), {"id": old["id"]}
+        )
+    listed = (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()
+    assert old["id"] not in [e["id"] for e in listed["data"]]
+    with_invalid = (
+        await client.get("/memory-entries", params={"memory_id": memory["id"], "include_invalidated": "true"})
+    ).json()
+    assert old["id"] in [e["id"] for e in with_invalid["data"]]
+    fetched = (await client.get(f"/memory-entries/{old['id']}")).json()
+    assert fetched["invalidated_at"] is not None
+    # Restating retired knowledge creates a new entry: an invalidated entry is never a dedup candidate.
+    restated = await write(client, memory["id"], "The office is in Berlin")
+    assert restated.status_code == 201 and restated.json()["id"] != old["id"]
+
+
+async def test_list_entries_requires_a_known_memory(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    assert (await client.get("/memory-entries")).status_code == 400
+    assert (await client.get("/memory-entries", params={"memory_id": "mem_0000000000000000"})).status_code == 404
+    for content in ("First fact about shipping", "Second fact about billing", "Third fact about returns"):
+        await write(client, memory["id"], content)
+    page = (await client.get("/memory-entries", params={"memory_id": memory["id"], "limit": 2})).json()
+    assert page["total"] == 3 and [e["content"] for e in page["data"]] == [
+        "First fact about shipping",
+        "Second fact about billing",
+    ]
+
+
+async def test_update_entry_replaces_and_reembeds_without_dedup(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    keep = (await write(client, memory["id"], "Deliveries arrive on Mondays")).json()
+    entry = (await write(client, memory["id"], "Invoices go out monthly", tags=["a", "b"], metadata={"k": 1})).json()
+
+    async def stored_embedding() -> str:
+        async with sessions() as session:
+            return str(await session.scalar(text("SELECT embedding FROM memory_entries WHERE id = :id"), {"id": entry["id"]}))
+
+    before = await stored_embedding()
+    tags_only = (await client.put(f"/memory-entries/{entry['id']}", json={"tags": ["c"]})).json()
+    assert tags_only["tags"] == ["c"] and tags_only["metadata"] == {"k": 1}
+    assert await stored_embedding() == before
+    # No dedup on PUT: the same text as another entry is accepted as it is.
+    edited = (await client.put(f"/memory-entries/{entry['id']}", json={"content": keep["content"]})).json()
+    assert edited["content"] == keep["content"] and edited["id"] == entry["id"]
+    assert await stored_embedding() != before
+    cleared = (await client.put(f"/memory-entries/{entry['id']}", json={"tags": None, "metadata": None})).json()
+    assert cleared["tags"] is None and cleared["metadata"] is None
+    assert (await client.put(f"/memory-entries/{entry['id']}", json={"content": None})).status_code == 400
+    assert (await client.put(f"/memory-entries/{entry['id']}", json={"memory_id": "x"})).status_code == 400
+
+
+async def test_delete_entry(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    entry = (await write(client, memory["id"], "Temporary fact")).json()
+    assert (await client.delete(f"/memory-entries/{entry['id']}")).status_code == 204
+    assert (await client.get(f"/memory-entries/{entry['id']}")).status_code == 404
+    assert (await client.delete(f"/memory-entries/{entry['id']}")).status_code == 404
+    assert (await client.get("/memory-entries/mem_entry_bad")).status_code == 404

@@ -1,0 +1,162 @@
+"""Projects and memories over REST, against the real database."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+
+async def test_requests_without_a_valid_token_are_401(client: httpx.AsyncClient) -> None:
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+        response = await client.get("/projects", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "UNAUTHORIZED"
+
+
+async def test_create_and_list_projects(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    assert project["id"].startswith("proj_") and len(project["id"]) == 21
+    listing = (await client.get("/projects", params={"limit": 100})).json()
+    assert listing["limit"] == 100 and listing["offset"] == 0 and listing["total"] >= 1
+
+
+async def test_create_memory_returns_every_field(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    assert set(memory) >= {"id", "project_id", "name", "description", "tags", "created_at", "updated_at"}
+    assert memory["id"].startswith("mem_") and len(memory["id"]) == 20
+    assert memory["tags"] == ["customer", "crm"] and memory["description"] is None
+    assert memory["created_at"].endswith("Z")
+    fetched = (await client.get(f"/memories/{memory['id']}")).json()
+    assert fetched == memory
+
+
+@pytest.mark.parametrize(
+    ("body", "meta_key", "fields"),
+    [
+        ({"name": "x", "colour": "red"}, "unknown_fields", ["colour"]),
+        ({"description": "no name"}, "missing_fields", ["name"]),
+    ],
+)
+async def test_create_memory_rejects_unknown_and_missing_fields(
+    client: httpx.AsyncClient, project: dict[str, Any], body: dict[str, Any], meta_key: str, fields: list[str]
+) -> None:
+    response = await client.post("/memories", json={"project_id": project["id"], **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "VALIDATION_FAILED"
+    assert error["meta"][meta_key] == fields
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"name": ""},
+        {"name": "x" * 256},
+        {"name": 5},
+        {"name": "x", "tags": "crm"},
+        {"name": "x", "tags": [1, 2]},
+        {"name": "x", "tags": ["t"] * 65},
+        {"name": "x", "tags": ["t" * 129]},
+        {"name": "bad\u0000name"},
+    ],
+)
+async def test_create_memory_validates_types_and_sizes(
+    client: httpx.AsyncClient, project: dict[str, Any], body: dict[str, Any]
+) -> None:
+    response = await client.post("/memories", json={"project_id": project["id"], **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "VALIDATION_FAILED"
+
+
+async def test_malformed_json_is_a_400(client: httpx.AsyncClient) -> None:
+    response = await client.post("/memories", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "VALIDATION_FAILED"
+
+
+async def test_oversized_body_is_a_413(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    response = await client.post("/memories", json={"project_id": project["id"], "name": "x", "description": "y" * 300_000})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
+
+
+async def test_admin_must_name_an_existing_project(client: httpx.AsyncClient) -> None:
+    missing = await client.post("/memories", json={"name": "x"})
+    assert missing.status_code == 400 and missing.json()["error"]["meta"]["missing_fields"] == ["project_id"]
+    unknown = await client.post("/memories", json={"name": "x", "project_id": "proj_0000000000000000"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
+@pytest.mark.parametrize("memory_id", ["mem_0000000000000000", "mem_short", "mem_entry_0000000000000000", "x" * 40])
+async def test_unknown_or_malformed_memory_ids_are_404(client: httpx.AsyncClient, memory_id: str) -> None:
+    for method in ("GET", "PUT", "DELETE"):
+        response = await client.request(method, f"/memories/{memory_id}", json={} if method == "PUT" else None)
+        assert response.status_code == 404, (method, response.text)
+        assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
+async def test_update_applies_only_present_fields(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    created = (
+        await client.post(
+            "/memories", json={"project_id": project["id"], "name": "n", "description": "d", "tags": ["a"]}
+        )
+    ).json()
+    renamed = (await client.put(f"/memories/{created['id']}", json={"name": "renamed"})).json()
+    assert renamed["name"] == "renamed" and renamed["description"] == "d" and renamed["tags"] == ["a"]
+    assert renamed["updated_at"] >= created["updated_at"]
+    cleared = (await client.put(f"/memories/{created['id']}", json={"description": None, "tags": None})).json()
+    assert cleared["description"] is None and cleared["tags"] is None and cleared["name"] == "renamed"
+    bad = await client.put(f"/memories/{created['id']}", json={"name": None})
+    assert bad.status_code == 400
+    unknown = await client.put(f"/memories/{created['id']}", json={"nme": "typo"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["meta"]["unknown_fields"] == ["nme"]
+
+
+async def _names(client: httpx.AsyncClient, project_id: str, *patterns: str) -> list[str]:
+    response = await client.get("/memories", params={"project_id": project_id, "tags": list(patterns)})
+    assert response.status_code == 200, response.text
+    return [m["name"] for m in response.json()["data"]]
+
+
+async def test_tag_globs(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    for name, tags in [
+        ("crm", ["crm"]),
+        ("support", ["customer-support"]),
+        ("prefs", ["user-prefs", "Customer"]),
+        ("xrefs", ["user-xrefs"]),
+        ("percent", ["100%_done"]),
+        ("untagged", None),
+    ]:
+        await client.post("/memories", json={"project_id": project["id"], "name": name, "tags": tags})
+    pid = project["id"]
+    assert await _names(client, pid, "crm") == ["crm"]
+    assert await _names(client, pid, "customer*") == ["support", "prefs"]  # case-insensitive
+    assert await _names(client, pid, "user-?refs") == ["prefs", "xrefs"]
+    assert await _names(client, pid, "crm", "user-x*") == ["crm", "xrefs"]  # ORed
+    assert await _names(client, pid, "CRM") == ["crm"]
+    assert await _names(client, pid, "100%_done") == ["percent"]
+    assert await _names(client, pid, "100__done") == []  # `_` is literal, not a wildcard
+    assert await _names(client, pid, "%") == []  # `%` is literal
+    assert len(await _names(client, pid)) == 6
+
+
+async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    for i in range(5):
+        await client.post("/memories", json={"project_id": project["id"], "name": f"m{i}"})
+    page = (await client.get("/memories", params={"project_id": project["id"], "limit": 2, "offset": 1})).json()
+    assert page["total"] == 5 and page["limit"] == 2 and page["offset"] == 1
+    assert [m["name"] for m in page["data"]] == ["m1", "m2"]
+    clamped = (await client.get("/memories", params={"project_id": project["id"], "limit": 1000})).json()
+    assert clamped["limit"] == 100
+    assert (await client.get("/memories", params={"project_id": project["id"], "limit": 0})).json()["limit"] == 1
+    negative = await client.get("/memories", params={"project_id": project["id"], "offset": -1})
+    assert negative.status_code == 400
+    not_a_number = await client.get("/memories", params={"project_id": project["id"], "limit": "ten"})
+    assert not_a_number.status_code == 400
+
+
+async def test_delete_memory_removes_its_entries(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    entry = (await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "A fact"})).json()
+    assert (await client.delete(f"/memories/{memory['id']}")).status_code == 204
+    assert (await client.get(f"/memories/{memory['id']}")).status_code == 404
+    assert (await client.get(f"/memory-entries/{entry['id']}")).status_code == 404

@@ -1,0 +1,197 @@
+"""The write path's guarantees with the real bus: idempotency, redelivery, the 202 path, ordering under
+contention across two writer replicas, failures that write nothing, and dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import nats
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared import bus
+from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.embeddings import EmbeddingError
+from shared.events import MemoryWriteRequested
+from shared.ids import new_write_id
+from shared.settings import Settings
+from shared.writes import WriteApplier
+from tests.conftest import open_client
+
+
+async def count_entries(sessions: async_sessionmaker[AsyncSession], memory_id: str) -> int:
+    async with sessions() as session:
+        return int(await session.scalar(select(func.count()).where(MemoryEntry.memory_id == memory_id)) or 0)
+
+
+async def test_idempotency_key_returns_the_first_outcome(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    headers = {"Idempotency-Key": "order-42-fact-1"}
+    body = {"memory_id": memory["id"], "content": "Order 42 ships by express"}
+    first = await client.post("/memory-entries", json=body, headers=headers)
+    assert first.status_code == 201
+    again = await client.post("/memory-entries", json=body, headers=headers)
+    assert again.status_code == 201 and again.json() == first.json()
+    # The key names the write, not the content: a retry that differs still gets the first outcome.
+    changed = await client.post("/memory-entries", json={**body, "content": "Other text"}, headers=headers)
+    assert changed.json()["id"] == first.json()["id"]
+    assert await count_entries(sessions, memory["id"]) == 1
+    bad_key = await client.post("/memory-entries", json=body, headers={"Idempotency-Key": "has space"})
+    assert bad_key.status_code == 400
+
+
+async def test_timeout_answers_202_and_the_outcome_is_readable_later(
+    settings: Settings, writers: list[Any], memory: dict[str, Any]
+) -> None:
+    impatient = settings.model_copy(update={"memories_write_timeout_s": 0.001})
+    async for client in open_client(impatient):
+        accepted = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Slow fact"})
+        assert accepted.status_code == 202
+        write_id = accepted.json()["write_id"]
+        assert accepted.json()["status"] == "pending"
+        status: dict[str, Any] = {}
+        for _ in range(200):
+            status = (await client.get(f"/memory-writes/{write_id}")).json()
+            if status["status"] != "pending":
+                break
+            await asyncio.sleep(0.05)
+        assert status["status"] == "applied" and status["action"] == "created"
+        entry = (await client.get(f"/memory-entries/{status['entry_id']}")).json()
+        assert entry["content"] == "Slow fact"
+        assert (await client.get("/memory-writes/wr_" + "0" * 32)).status_code == 404
+        assert (await client.get("/memory-writes/garbage")).status_code == 404
+
+
+async def _publish_raw(settings: Settings, event: MemoryWriteRequested, msg_id: str) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.jetstream().publish(
+            bus.write_subject(event.memory_id, settings.memories_partitions),
+            event.model_dump_json().encode(),
+            stream=bus.WRITES_STREAM,
+            headers={"Nats-Msg-Id": msg_id},
+        )
+    finally:
+        await nc.close()
+
+
+async def _wait_applied(sessions: async_sessionmaker[AsyncSession], write_id: str) -> WriteOutcome:
+    for _ in range(200):
+        async with sessions() as session:
+            outcome = await session.get(WriteOutcome, write_id)
+        if outcome is not None and outcome.status == "applied":
+            return outcome
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"write {write_id} was never applied")
+
+
+async def test_a_redelivered_write_has_one_effect(
+    settings: Settings, writers: list[Any], memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Delivered twice"
+    )
+    # Two different message ids defeat the stream's duplicate window: only the outcome table guards now.
+    await _publish_raw(settings, event, f"{event.write_id}.a")
+    await _publish_raw(settings, event, f"{event.write_id}.b")
+    await _wait_applied(sessions, event.write_id)
+    await asyncio.sleep(0.5)
+    assert await count_entries(sessions, memory["id"]) == 1
+    async with sessions() as session:
+        history = await session.scalar(select(func.count()).where(EntryHistory.write_id == event.write_id))
+    assert history == 1
+
+
+async def test_concurrent_identical_writes_make_one_entry(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    body = {"memory_id": memory["id"], "content": "The customer's account number is 991"}
+    responses = await asyncio.gather(*(client.post("/memory-entries", json=body) for _ in range(50)))
+    actions = sorted(r.json()["action"] for r in responses)
+    assert actions == ["created"] + ["skipped"] * 49
+    assert len({r.json()["id"] for r in responses}) == 1
+    assert await count_entries(sessions, memory["id"]) == 1
+
+
+async def test_writes_to_many_memories_proceed_and_all_apply(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    memories = [
+        (await client.post("/memories", json={"project_id": project["id"], "name": f"m{i}"})).json()
+        for i in range(8)
+    ]
+    topics = ["ships orders on Tuesdays", "pays invoices by wire transfer", "speaks Portuguese at meetings"]
+    writes = [
+        client.post("/memory-entries", json={"memory_id": m["id"], "content": f"The customer {topic}"})
+        for m in memories
+        for topic in topics
+    ]
+    responses = await asyncio.gather(*writes)
+    assert all(r.status_code == 201 for r in responses), [r.text for r in responses if r.status_code != 201]
+
+
+async def test_a_failing_embedder_fails_the_write_and_writes_nothing(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async def broken(_texts: Any) -> list[list[float]]:
+        raise EmbeddingError("broken-model", "provider down")
+
+    applier = WriteApplier(sessions, broken, "broken-model")
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Unembeddable"
+    )
+    applied = await applier.apply(event)
+    assert applied.outcome.error is not None
+    assert applied.outcome.error.status == 503 and applied.outcome.error.code == "EMBEDDING_UNAVAILABLE"
+    assert await count_entries(sessions, memory["id"]) == 0
+    async with sessions() as session:
+        stored = await session.get(WriteOutcome, event.write_id)
+    assert stored is not None and stored.status == "failed" and stored.failed_attempts == 1
+
+
+async def test_a_write_to_a_deleted_memory_fails_cleanly(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async def unused(_texts: Any) -> list[list[float]]:
+        return [[0.0] * 384]
+
+    await client.delete(f"/memories/{memory['id']}")
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Too late"
+    )
+    applied = await WriteApplier(sessions, unused, "m").apply(event)
+    assert applied.outcome.error is not None and applied.outcome.error.status == 404
+
+
+async def test_malformed_write_events_are_dead_lettered(settings: Settings, writers: list[Any]) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.writer", stream=bus.DEAD_LETTER_STREAM, deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        subject = bus.write_subject("mem_AAAAAAAAAAAAAAAA", settings.memories_partitions)
+        await js.publish(subject, b'{"not": "an event"}', stream=bus.WRITES_STREAM)
+        message = await dead.next_msg(timeout=10)
+        envelope = json.loads(message.data)
+        assert envelope["origin_subject"] == subject and "invalid write event" in envelope["reason"]
+        await dead.unsubscribe()
+    finally:
+        await nc.close()
+
+
+async def test_change_feed_announces_created_entries(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any]
+) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        sub = await nc.subscribe(bus.event_subject(memory["project_id"], "created"))
+        entry = (await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Announced"})).json()
+        message = await sub.next_msg(timeout=10)
+        payload = json.loads(message.data)
+        assert payload["entry_id"] == entry["id"] and payload["kind"] == "created"
+        assert payload["write_id"] == entry["write_id"]
+    finally:
+        await nc.close()
