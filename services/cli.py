@@ -180,6 +180,17 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = ("search", "write", "guard", "extract")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Each benchmark is a module services.bench.<name> with `main(argv) -> int`; it prints a table."""
+    import importlib
+
+    module = importlib.import_module(f"services.bench.{args.benchmark}")
+    return int(module.main(args.bench_args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memories", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     bus_parser = sub.add_parser("bus", help="NATS JetStream layout")
     bus_sub = bus_parser.add_subparsers(dest="bus_command", required=True)
     bus_sub.add_parser("init", help="create or update streams and consumers").set_defaults(func=cmd_bus_init)
+    bench = sub.add_parser("bench", help="benchmarks that print a table (not tests)")
+    bench.add_argument("benchmark", choices=BENCHMARKS)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (--help)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

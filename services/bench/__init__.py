@@ -1,0 +1,1 @@
+"""Benchmarks: `memories bench <name>`. Each prints a table; none is a timed test."""
