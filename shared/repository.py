@@ -268,3 +268,63 @@ async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistor
         .order_by(EntryHistory.id)
     )
     return list((await session.scalars(query)).all())
+
+
+# API keys ---------------------------------------------------------------------------------------
+# Imported here rather than at the top so this section could be appended without touching the lines above.
+
+import secrets  # noqa: E402
+import string  # noqa: E402
+
+from shared import iam  # noqa: E402
+from shared.db.models import ApiKey  # noqa: E402
+from shared.ids import API_KEY_PREFIX  # noqa: E402
+
+_SECRET_ALPHABET = string.ascii_letters + string.digits
+_SECRET_CHARS = 40
+"""About 238 random bits: nothing to brute-force, which is why a fast hash may stand in for the secret."""
+
+
+async def create_api_key(
+    session: AsyncSession, *, project_id: str, name: str | None, actions: Sequence[str]
+) -> tuple[ApiKey, str]:
+    """The stored key and its secret; the secret exists only in this return value."""
+    secret = iam.SECRET_PREFIX + "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(_SECRET_CHARS))
+    key = ApiKey(
+        id=new_id(API_KEY_PREFIX),
+        project_id=project_id,
+        name=name,
+        prefix=iam.display_prefix(secret),
+        secret_hash=iam.secret_hash(secret),
+        actions=list(actions),
+    )
+    session.add(key)
+    await session.flush()
+    await session.refresh(key)
+    return key, secret
+
+
+async def get_live_api_key(session: AsyncSession, secret: str) -> ApiKey | None:
+    """The unrevoked key with this secret. The probe is by hash, so its timing says nothing about the secret."""
+    query = select(ApiKey).where(ApiKey.secret_hash == iam.secret_hash(secret), ApiKey.revoked_at.is_(None))
+    return await session.scalar(query)
+
+
+async def list_api_keys(
+    session: AsyncSession, project_id: str, include_revoked: bool, limit: int, offset: int
+) -> tuple[list[ApiKey], int]:
+    query = select(ApiKey).where(ApiKey.project_id == project_id)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    return await _page(session, query.order_by(ApiKey.created_at, ApiKey.id), limit, offset)
+
+
+async def revoke_api_key(session: AsyncSession, key_id: str) -> bool:
+    """False when there is no live key of that id. One statement, so two revocations cannot both succeed."""
+    revoked = await session.scalar(
+        update(ApiKey)
+        .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=func.now(), updated_at=func.now())
+        .returning(ApiKey.id)
+    )
+    return revoked is not None

@@ -61,11 +61,11 @@ class WriteGateway:
                     # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.
                     headers={"Nats-Msg-Id": f"{event.write_id}.{attempt}"},
                 )
-            except (NatsError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, NatsError, OSError) as exc:
                 raise BusUnavailable(str(exc) or type(exc).__name__) from exc
             try:
                 return await asyncio.wait_for(asyncio.shield(future), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
         finally:
             self._waiting.pop(event.write_id, None)

@@ -44,7 +44,7 @@ class WriteHandler:
 
         try:
             applied = await self._applier.apply(event)
-        except Exception as exc:  # noqa: BLE001 - transient by default: database or bus unavailable
+        except Exception as exc:
             delivered = raw.metadata.num_delivered if raw.metadata else 1
             log.warning(
                 "write failed, will retry",
@@ -90,7 +90,7 @@ class WriteHandler:
                     stream=bus.EVENTS_STREAM,
                     headers={"Nats-Msg-Id": f"{event.write_id}:{applied.change.value}"},
                 )
-            except Exception:  # noqa: BLE001 - the change feed is best-effort; the write is committed
+            except Exception:
                 log.exception("could not publish change event", extra={"write_id": event.write_id})
 
     async def _dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
