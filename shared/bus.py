@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 WRITES_STREAM = "MEMORY_WRITES"
 EVENTS_STREAM = "MEMORY_EVENTS"
 DEAD_LETTER_STREAM = "DEAD_LETTERS"
+GENERATIONS_STREAM = "GENERATIONS"
+GENERATION_COMPLETED_ROOT = "generations.completed"
+GENERATION_DELETED_ROOT = "generations.deleted"
+CONVERSATION_DELETED_ROOT = "conversations.deleted"
+EXTRACTOR_DURABLE = "extractor"
+WRITER_GENERATION_DELETIONS = "writer-generation-deletions"
+WRITER_CONVERSATION_DELETIONS = "writer-conversation-deletions"
 WRITE_SUBJECT_ROOT = "memories.write"
 EVENT_SUBJECT_ROOT = "memories.events"
 DEAD_LETTER_ROOT = "dlq"
@@ -56,6 +63,18 @@ def writer_durable(partition: int) -> str:
 
 def event_subject(project_id: str, kind: str) -> str:
     return f"{EVENT_SUBJECT_ROOT}.{project_id}.{kind}"
+
+
+def generation_completed_subject(project_id: str) -> str:
+    return f"{GENERATION_COMPLETED_ROOT}.{project_id}"
+
+
+def generation_deleted_subject(project_id: str) -> str:
+    return f"{GENERATION_DELETED_ROOT}.{project_id}"
+
+
+def conversation_deleted_subject(project_id: str) -> str:
+    return f"{CONVERSATION_DELETED_ROOT}.{project_id}"
 
 
 def dead_letter_subject(origin: str) -> str:
@@ -89,6 +108,15 @@ def layout(settings: Settings) -> Layout:
         max_age=7 * 24 * 3600,
         duplicate_window=window,
     )
+    generations = StreamConfig(
+        name=GENERATIONS_STREAM,
+        subjects=["generations.>", "conversations.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=7 * 24 * 3600,
+        duplicate_window=window,
+    )
     dead = StreamConfig(
         name=DEAD_LETTER_STREAM,
         subjects=[f"{DEAD_LETTER_ROOT}.>"],
@@ -111,7 +139,28 @@ def layout(settings: Settings) -> Layout:
         )
         for p in range(settings.memories_partitions)
     ]
-    return Layout(streams=[writes, events, dead], consumers={WRITES_STREAM: writers})
+    def shared_consumer(name: str, subject: str, max_ack_pending: int) -> ConsumerConfig:
+        # One durable shared by every replica of a service: queue semantics, each event to one replica.
+        return ConsumerConfig(
+            durable_name=name,
+            name=name,
+            filter_subject=subject,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            max_ack_pending=max_ack_pending,
+            ack_wait=settings.memories_ack_wait_s,
+            max_deliver=settings.memories_max_deliver,
+        )
+
+    generation_consumers = [
+        shared_consumer(EXTRACTOR_DURABLE, f"{GENERATION_COMPLETED_ROOT}.*", 256),
+        shared_consumer(WRITER_GENERATION_DELETIONS, f"{GENERATION_DELETED_ROOT}.*", 64),
+        shared_consumer(WRITER_CONVERSATION_DELETIONS, f"{CONVERSATION_DELETED_ROOT}.*", 64),
+    ]
+    return Layout(
+        streams=[writes, events, generations, dead],
+        consumers={WRITES_STREAM: writers, GENERATIONS_STREAM: generation_consumers},
+    )
 
 
 async def ensure_layout(js: JetStreamContext, settings: Settings) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from shared.events import WriteAction
+from shared.events import WriteAction, WritePolicy
 from shared.guard import meaning_change
 
 MERGE_FLOOR = 0.75
@@ -21,10 +21,9 @@ MERGE_FLOOR = 0.75
 MERGED_CONTENT_MAX_CHARS = 2_000
 """A merge longer than this is a paragraph, not an atomic fact: create instead."""
 
-
-class WritePolicy(StrEnum):
-    SEED = "seed"  # the product document's rule: skip at or above duplicate_threshold
-    GUARDED = "guarded"  # skip a near-copy only when no cheap rule says the meaning changed
+ARBITRATION_FLOOR = 0.60
+ARBITRATION_SHORTLIST = 5
+"""Arbitration shows the model at most this many valid entries scoring at least the floor."""
 
 
 class Rule(StrEnum):
@@ -35,6 +34,24 @@ class Rule(StrEnum):
     MERGED = "merged"
     MERGE_FAILED = "merge_failed"
     GUARD = "guard"
+    ARBITRATED = "arbitrated"
+    ARBITRATION_FAILED = "arbitration_failed"
+
+
+class Operation(StrEnum):
+    ADD = "add"
+    UPDATE = "update"
+    SUPERSEDE = "supersede"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class Arbitration:
+    """A model's verdict on a write; `target` is always one of the shortlisted candidates."""
+
+    operation: Operation
+    target: Candidate | None = None
+    content: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,22 +83,69 @@ class Decision:
 Consolidate = Callable[[str, str], Awaitable[str | None]]
 """(existing fact, incoming fact) -> one merged fact, or None when the model gave nothing usable."""
 
+Arbitrate = Callable[[str, list[Candidate]], Awaitable[Arbitration | None]]
+"""(incoming fact, shortlist) -> a verdict, or None when the model gave nothing usable."""
+
 
 async def decide(
     incoming: IncomingWrite,
     *,
     exact_match: Candidate | None,
-    nearest: Candidate | None,
+    nearest: list[Candidate],
     consolidate: Consolidate | None = None,
+    arbitrate: Arbitrate | None = None,
 ) -> Decision:
-    """Skip, merge or create. `consolidate` is given only on agent paths; any failure of it creates."""
+    """Skip, merge, supersede or create.
+
+    `nearest` is sorted by descending score. `consolidate` is given only on agent paths; `arbitrate` only
+    when the policy is ARBITRATE and a model is available. Any failure of either falls back to the seed.
+    """
     if exact_match is not None:
         return Decision(WriteAction.SKIPPED, Rule.EXACT_COPY, exact_match)
+    if incoming.policy is WritePolicy.ARBITRATE and arbitrate is not None:
+        shortlist = [c for c in nearest if c.score >= ARBITRATION_FLOOR][:ARBITRATION_SHORTLIST]
+        if not shortlist:
+            return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)
+        try:
+            verdict = await arbitrate(incoming.content, shortlist)
+        except Exception:  # noqa: BLE001 - a failed call falls back to the seed's rule
+            verdict = None
+        decision = _apply_verdict(verdict)
+        if decision is not None:
+            return decision
+        fallback = await _seed_rule(incoming, nearest[0] if nearest else None, consolidate)
+        return Decision(fallback.action, f"{Rule.ARBITRATION_FAILED}:{fallback.rule}", fallback.target,
+                        fallback.merged_content)
+    return await _seed_rule(incoming, nearest[0] if nearest else None, consolidate)
+
+
+def _apply_verdict(verdict: Arbitration | None) -> Decision | None:
+    """The model's verdict as a decision, or None when it is unusable (then the seed's rule decides)."""
+    if verdict is None:
+        return None
+    rule = f"{Rule.ARBITRATED}:{verdict.operation}"
+    if verdict.operation is Operation.ADD:
+        return Decision(WriteAction.CREATED, rule)
+    if verdict.target is None:
+        return None
+    if verdict.operation is Operation.SKIP:
+        return Decision(WriteAction.SKIPPED, rule, verdict.target)
+    if verdict.operation is Operation.SUPERSEDE:
+        return Decision(WriteAction.SUPERSEDED, rule, verdict.target)
+    merged = (verdict.content or "").strip()
+    if not merged or len(merged) > MERGED_CONTENT_MAX_CHARS:
+        return None
+    return Decision(WriteAction.UPDATED, rule, verdict.target, merged_content=merged)
+
+
+async def _seed_rule(
+    incoming: IncomingWrite, nearest: Candidate | None, consolidate: Consolidate | None
+) -> Decision:
     if nearest is None:
         return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)
 
     if nearest.score >= incoming.duplicate_threshold:
-        if incoming.policy is WritePolicy.SEED:
+        if incoming.policy is not WritePolicy.GUARDED:
             return Decision(WriteAction.SKIPPED, Rule.NEAR_DUPLICATE, nearest)
         changed = meaning_change(nearest.content, incoming.content)
         if changed is None:

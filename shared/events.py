@@ -38,6 +38,14 @@ class WriteAction(StrEnum):
     SUPERSEDED = "superseded"
 
 
+class WritePolicy(StrEnum):
+    """How a memory decides near-copies; set per memory, and selectable per write."""
+
+    SEED = "seed"  # the product document's rule: skip at or above duplicate_threshold
+    GUARDED = "guarded"  # skip a near-copy only when no cheap rule says the meaning changed
+    ARBITRATE = "arbitrate"  # a model decides add / update / supersede / skip over a shortlist
+
+
 class Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -67,6 +75,7 @@ class MemoryWriteRequested(Event):
     tags: list[str] | None = None
     metadata: dict[str, Any] | None = None
     duplicate_threshold: float = Field(default=DEFAULT_DUPLICATE_THRESHOLD, ge=0.0, le=1.0)
+    write_policy: WritePolicy | None = Field(default=None, description="overrides the memory's policy")
     agent: AgentContext | None = None
     source_generation_id: str | None = None
     source_conversation_id: str | None = None
@@ -113,3 +122,17 @@ class MemoryEntryChanged(Event):
     kind: EntryChangeKind
     write_id: str | None = None
     superseded_entry_id: str | None = None
+
+
+class GenerationDeleted(Event):
+    """Subject `generations.deleted.<project_id>`; stream GENERATIONS: entries forget the generation id."""
+
+    project_id: str
+    generation_id: str = Field(min_length=1, max_length=255)
+
+
+class ConversationDeleted(Event):
+    """Subject `conversations.deleted.<project_id>`; stream GENERATIONS: entries forget the conversation id."""
+
+    project_id: str
+    conversation_id: str = Field(min_length=1, max_length=255)

@@ -21,20 +21,17 @@ NEGATING_PREFIXES = ("non", "dis", "un", "in", "im", "il", "ir")
 MIN_NEGATED_STEM = 3
 # Words that carry no relation; dropped before the order and name checks.
 STOPWORDS = frozenset(
-    "a an the is are was were be been being am do does did has have had will would shall should can "
-    "could may might must i me my we our you your he him his she her it its they them their this that "
-    "these those and or but so in on at of for with about as really very also just still actually quite "
-    "definitely now currently always please".split()
+    ["a", "an", "the", "is", "are", "was", "were", "be", "been", "being", "am", "do", "does", "did", "has", "have", "had", "will", "would", "shall", "should", "can", "could", "may", "might", "must", "i", "me", "my", "we", "our", "you", "your", "he", "him", "his", "she", "her", "it", "its", "they", "them", "their", "this", "that", "these", "those", "and", "or", "but", "so", "in", "on", "at", "of", "for", "with", "about", "as", "really", "very", "also", "just", "still", "actually", "quite", "definitely", "now", "currently", "always", "please"]
 )
 # Directional words stay in the token sequence: they are the pivot of "A over B".
 RELATION_WORDS = frozenset(
-    "over than to from by before after instead rather versus vs above below under into against".split()
+    ["over", "than", "to", "from", "by", "before", "after", "instead", "rather", "versus", "vs", "above", "below", "under", "into", "against"]
 )
 _UNITS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
 NUMBER_WORDS = dict(zip((_UNITS + " sixteen seventeen eighteen nineteen twenty").split(), range(21)))
-NUMBER_WORDS |= {w: 10 * i for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)}
+NUMBER_WORDS |= {w: 10 * i for i, w in enumerate(["thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"], 3)}
 ORDINAL_WORDS = {
-    w: i for i, w in enumerate("first second third fourth fifth sixth seventh eighth ninth tenth".split(), 1)
+    w: i for i, w in enumerate(["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"], 1)
 }
 MULTIPLIERS = {"k": 10**3, "thousand": 10**3, "m": 10**6, "million": 10**6, "bn": 10**9, "billion": 10**9}
 ORDINAL_SUFFIXES = frozenset({"st", "nd", "rd", "th"})
@@ -43,7 +40,7 @@ MONTHS = dict(zip(_MONTH_NAMES.split(), range(1, 13)))
 MONTHS |= {m[:3]: i for m, i in list(MONTHS.items())} | {"sept": 9}
 # Month names that are also ordinary words count only where some text writes them capitalised.
 AMBIGUOUS_MONTHS = frozenset({"may", "march", "august", "mar", "aug"})
-WEEKDAYS = {d: i for i, d in enumerate("monday tuesday wednesday thursday friday saturday sunday".split())}
+WEEKDAYS = {d: i for i, d in enumerate(["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"])}
 TIME_WORDS = {"noon": "t12:00", "midday": "t12:00", "midnight": "t00:00"}
 CONTRACTIONS = {"'re": "are", "'m": "am", "'ll": "will", "'ve": "have", "'d": "would"}
 NT_BASES = {"won": "will", "can": "can", "shan": "shall", "ain": "is"}

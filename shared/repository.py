@@ -270,15 +270,30 @@ async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistor
     return list((await session.scalars(query)).all())
 
 
+async def clear_provenance(
+    session: AsyncSession, project_id: str, *, generation_id: str | None = None, conversation_id: str | None = None
+) -> int:
+    """A deleted generation or conversation stops being referenced; the facts learned from it stay."""
+    column = MemoryEntry.source_generation_id if generation_id is not None else MemoryEntry.source_conversation_id
+    value = generation_id if generation_id is not None else conversation_id
+    result = await session.execute(
+        update(MemoryEntry)
+        .where(MemoryEntry.project_id == project_id, column == value)
+        .values({column.key: None})
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
 # API keys ---------------------------------------------------------------------------------------
 # Imported here rather than at the top so this section could be appended without touching the lines above.
 
-import secrets  # noqa: E402
-import string  # noqa: E402
+import secrets
+import string
 
-from shared import iam  # noqa: E402
-from shared.db.models import ApiKey  # noqa: E402
-from shared.ids import API_KEY_PREFIX  # noqa: E402
+from shared import iam
+from shared.db.models import ApiKey
+from shared.ids import API_KEY_PREFIX
 
 _SECRET_ALPHABET = string.ascii_letters + string.digits
 _SECRET_CHARS = 40
@@ -305,7 +320,7 @@ async def create_api_key(
 
 
 async def get_live_api_key(session: AsyncSession, secret: str) -> ApiKey | None:
-    """The unrevoked key with this secret. The probe is by hash, so its timing says nothing about the secret."""
+    """The unrevoked key with this secret. The probe is by hash: its timing tells nothing about the secret."""
     query = select(ApiKey).where(ApiKey.secret_hash == iam.secret_hash(secret), ApiKey.revoked_at.is_(None))
     return await session.scalar(query)
 

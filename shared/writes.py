@@ -2,7 +2,8 @@
 
 Order matters: the embedding (the expensive part) is computed before the memory's lock is taken; inside
 one transaction the lock is taken, the write id's stored outcome is reused if it exists, the decision is
-made and applied, and the outcome is stored with it. A redelivered event therefore has one effect.
+made and applied, and the outcome and its audit record are stored with it. A redelivered event therefore
+has one effect.
 """
 
 from __future__ import annotations
@@ -11,14 +12,24 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
 from shared.db.models import EntryHistory, Memory, MemoryEntry, WriteOutcome
-from shared.decision import Consolidate, Decision, IncomingWrite, WritePolicy, decide
+from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
 from shared.embeddings import EmbeddingError
-from shared.events import EntryChangeKind, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WriteError
+from shared.events import (
+    AgentContext,
+    EntryChangeKind,
+    MemoryWriteOutcome,
+    MemoryWriteRequested,
+    WriteAction,
+    WriteError,
+    WritePolicy,
+)
 from shared.guard import content_hash
+from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
@@ -29,17 +40,25 @@ _ERROR_STATUS = {"EMBEDDING_UNAVAILABLE": 503, "RESOURCE_NOT_FOUND": 404}
 class AppliedWrite:
     outcome: MemoryWriteOutcome
     change: EntryChangeKind | None  # what the change feed announces; None for skips and replays
+    superseded_entry_id: str | None = None
 
 
-def _stored(outcome: WriteOutcome) -> MemoryWriteOutcome:
+def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
     error = None
-    if outcome.status != "applied":
-        code = outcome.error_code or "INTERNAL_ERROR"
-        error = WriteError(code=code, message=outcome.error_message or "", status=_ERROR_STATUS.get(code, 500))
-    action = WriteAction(outcome.action) if outcome.action else None
+    if record.status == "failed":
+        code = record.error_code or "INTERNAL_ERROR"
+        error = WriteError(code=code, message=record.error_message or "", status=_ERROR_STATUS.get(code, 500))
     return MemoryWriteOutcome(
-        write_id=outcome.write_id, action=action, entry_id=outcome.entry_id, score=outcome.score, error=error
+        write_id=record.write_id,
+        action=WriteAction(record.action) if record.action else None,
+        entry_id=record.entry_id,
+        score=record.score,
+        error=error,
     )
+
+
+class MemoryGone(Exception):
+    """The target memory does not exist (any more) in the event's project: the write cannot apply."""
 
 
 class WriteApplier:
@@ -48,12 +67,16 @@ class WriteApplier:
         sessions: async_sessionmaker[AsyncSession],
         embed: Embed,
         embedding_model: str,
-        consolidator_for: Callable[[MemoryWriteRequested], Consolidate | None] = lambda _event: None,
+        *,
+        default_model: str | None = None,
+        llm_timeout: float = 30.0,
     ) -> None:
         self._sessions = sessions
         self._embed = embed
         self._embedding_model = embedding_model
-        self._consolidator_for = consolidator_for
+        # Arbitration of writes that carry no agent (REST, orchestration) uses the service's own model.
+        self._default_agent = AgentContext(model=default_model) if default_model else None
+        self._llm_timeout = llm_timeout
 
     async def apply(self, event: MemoryWriteRequested, embedding: list[float] | None = None) -> AppliedWrite:
         """Decide and apply one write. `embedding` may be precomputed by a batching caller."""
@@ -75,32 +98,42 @@ class WriteApplier:
     async def _embed_one(self, content: str) -> list[float]:
         return (await self._embed([content]))[0]
 
+    def _steps(self, event: MemoryWriteRequested, policy: WritePolicy) -> tuple[ModelSteps | None, ModelSteps | None]:
+        """(merge steps, arbitration steps): merges only on agent paths; arbitration with any model."""
+        merge = ModelSteps(event.agent, self._llm_timeout) if event.agent else None
+        if policy is not WritePolicy.ARBITRATE:
+            return merge, None
+        agent = event.agent or self._default_agent
+        return merge, ModelSteps(agent, self._llm_timeout) if agent else None
+
     async def _apply_locked(
         self, session: AsyncSession, event: MemoryWriteRequested, digest: str, embedding: list[float] | None
     ) -> AppliedWrite:
         await repo.lock_memory(session, event.memory_id)
         stored = await repo.get_write_outcome(session, event.write_id)
         if stored is not None and stored.status == "applied":
-            return AppliedWrite(_stored(stored), None)
+            return AppliedWrite(outcome_of(stored), None)
 
         memory = await session.get(Memory, event.memory_id)
         if memory is None or memory.project_id != event.project_id:
-            # The memory was deleted after the API accepted the write (or the event names a foreign one).
+            # Deleted after the API accepted the write, or an event naming another project's memory.
             raise MemoryGone(event.memory_id)
 
+        policy = event.write_policy or WritePolicy(memory.write_policy)
         exact = await repo.find_exact_copy(session, event.memory_id, digest)
-        if exact is None and embedding is None:
-            embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone since
-        nearest = None if exact is not None else next(
-            iter(await repo.find_nearest(session, event.memory_id, embedding or [])), None
-        )
-        incoming = IncomingWrite(
-            content=event.content,
-            duplicate_threshold=event.duplicate_threshold,
-            policy=WritePolicy(memory.write_policy),
-        )
+        nearest: list[Candidate] = []
+        if exact is None:
+            if embedding is None:
+                embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone
+            limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
+            nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
+        merge, arbitration = self._steps(event, policy)
         decision = await decide(
-            incoming, exact_match=exact, nearest=nearest, consolidate=self._consolidator_for(event)
+            IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
+            exact_match=exact,
+            nearest=nearest,
+            consolidate=merge.consolidate if merge else None,
+            arbitrate=arbitration.arbitrate if arbitration else None,
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
         outcome = WriteOutcome(
@@ -112,10 +145,13 @@ class WriteApplier:
             entry_id=entry.id,
             score=decision.score,
             failed_attempts=stored.failed_attempts if stored else 0,
+            updated_at=func.now(),
         )
         await repo.save_write_outcome(session, outcome)
-        await repo.add_history(session, self._history(event, decision, entry, nearest))
-        return AppliedWrite(_stored(outcome), change)
+        model_steps = arbitration if decision.rule.startswith("arbitrated") else merge
+        await repo.add_history(session, _history(event, decision, entry, nearest, model_steps))
+        superseded = decision.target.entry_id if decision.action is WriteAction.SUPERSEDED and decision.target else None
+        return AppliedWrite(outcome_of(outcome), change, superseded)
 
     async def _carry_out(
         self,
@@ -125,16 +161,15 @@ class WriteApplier:
         digest: str,
         embedding: list[float] | None,
     ) -> tuple[MemoryEntry, EntryChangeKind | None]:
+        target = decision.target
         if decision.action is WriteAction.SKIPPED:
-            assert decision.target is not None
-            entry = await session.get(MemoryEntry, decision.target.entry_id)
+            assert target is not None
+            entry = await session.get(MemoryEntry, target.entry_id)
             assert entry is not None
             return entry, None
         if decision.action is WriteAction.UPDATED:
-            assert decision.target is not None and decision.merged_content is not None
-            return await self._merge(session, event, decision.target.entry_id, decision.merged_content), (
-                EntryChangeKind.UPDATED
-            )
+            assert target is not None and decision.merged_content is not None
+            return await self._merge(session, event, target.entry_id, decision.merged_content), EntryChangeKind.UPDATED
         assert embedding is not None
         entry = await repo.insert_entry(
             session,
@@ -150,6 +185,11 @@ class WriteApplier:
             source_generation_id=event.source_generation_id,
             source_conversation_id=event.source_conversation_id,
         )
+        if decision.action is WriteAction.SUPERSEDED:
+            assert target is not None
+            # Retired, not rewritten: the old entry keeps its text and points at its replacement.
+            await repo.invalidate_entry(session, target.entry_id, entry.id, datetime.now(UTC))
+            return entry, EntryChangeKind.SUPERSEDED
         return entry, EntryChangeKind.CREATED
 
     async def _merge(
@@ -174,31 +214,12 @@ class WriteApplier:
             },
         )
 
-    @staticmethod
-    def _history(
-        event: MemoryWriteRequested, decision: Decision, entry: MemoryEntry, nearest: object
-    ) -> EntryHistory:
-        target = decision.target
-        return EntryHistory(
-            write_id=event.write_id,
-            project_id=event.project_id,
-            memory_id=event.memory_id,
-            entry_id=entry.id,
-            action=decision.action.value,
-            rule=decision.rule,
-            score=decision.score,
-            candidate_ids=[target.entry_id] if target else None,
-            model=event.agent.model if event.agent and decision.action is WriteAction.UPDATED else None,
-            content_before=target.content if target and decision.action is WriteAction.UPDATED else None,
-            content_after=entry.content if decision.action is not WriteAction.SKIPPED else event.content,
-        )
-
     async def _record_failure(self, event: MemoryWriteRequested, code: str, message: str) -> AppliedWrite:
         """A failed attempt is stored (not as an effect) so a retry with the same key can try again."""
         async with self._sessions.begin() as session:
             stored = await repo.get_write_outcome(session, event.write_id)
             if stored is not None and stored.status == "applied":
-                return AppliedWrite(_stored(stored), None)
+                return AppliedWrite(outcome_of(stored), None)
             failure = WriteOutcome(
                 write_id=event.write_id,
                 project_id=event.project_id,
@@ -207,11 +228,37 @@ class WriteApplier:
                 error_code=code,
                 error_message=message,
                 failed_attempts=(stored.failed_attempts if stored else 0) + 1,
-                updated_at=datetime.now(UTC),
+                updated_at=func.now(),
             )
             await repo.save_write_outcome(session, failure)
-        return AppliedWrite(_stored(failure), None)
+        return AppliedWrite(outcome_of(failure), None)
 
 
-class MemoryGone(Exception):
-    """The target memory does not exist (any more) in the event's project: the write cannot apply."""
+def _history(
+    event: MemoryWriteRequested,
+    decision: Decision,
+    entry: MemoryEntry,
+    nearest: list[Candidate],
+    model_steps: ModelSteps | None,
+) -> EntryHistory:
+    target = decision.target
+    asked_model = decision.rule.startswith(("arbitrated", "merged"))
+    prompt_version = None
+    if asked_model:
+        prompt_version = ARBITRATION_PROMPT_VERSION if decision.rule.startswith("arbitrated") else MERGE_PROMPT_VERSION
+    changed_text = decision.action is WriteAction.UPDATED
+    return EntryHistory(
+        write_id=event.write_id,
+        project_id=event.project_id,
+        memory_id=event.memory_id,
+        entry_id=entry.id,
+        related_entry_id=target.entry_id if target and decision.action is WriteAction.SUPERSEDED else None,
+        action=decision.action.value,
+        rule=decision.rule,
+        score=decision.score,
+        candidate_ids=[c.entry_id for c in nearest] or ([target.entry_id] if target else None),
+        model=model_steps.agent.model if model_steps and asked_model else None,
+        prompt_version=prompt_version,
+        content_before=target.content if target and changed_text else None,
+        content_after=entry.content if decision.action is not WriteAction.SKIPPED else event.content,
+    )

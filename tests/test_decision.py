@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from shared.decision import MERGE_FLOOR, Candidate, IncomingWrite, Rule, WritePolicy, decide
+from shared.decision import (
+    ARBITRATION_FLOOR,
+    MERGE_FLOOR,
+    Arbitration,
+    Candidate,
+    IncomingWrite,
+    Operation,
+    Rule,
+    WritePolicy,
+    decide,
+)
 from shared.events import WriteAction
 
 EXISTING = "Customer prefers email over phone calls"
@@ -72,7 +82,7 @@ async def test_decide(content, policy, threshold, exact, nearest, consolidate, a
     decision = await decide(
         IncomingWrite(content=content, duplicate_threshold=threshold, policy=policy),
         exact_match=exact,
-        nearest=nearest,
+        nearest=[nearest] if nearest else [],
         consolidate=consolidate,
     )
     assert decision.action is action
@@ -83,9 +93,96 @@ async def test_merge_carries_the_merged_text_and_the_target() -> None:
     decision = await decide(
         IncomingWrite(content="Customer also accepts SMS", duplicate_threshold=0.95),
         exact_match=None,
-        nearest=near(0.8),
+        nearest=[near(0.8)],
         consolidate=merged,
     )
     assert decision.merged_content == f"{EXISTING}; Customer also accepts SMS"
     assert decision.target == near(0.8)
     assert decision.score == 0.8
+
+
+# Arbitration ------------------------------------------------------------------------------------
+
+OTHER = Candidate(entry_id="mem_entry_BBBBBBBBBBBBBBBB", content="Customer lives in Lisbon", score=0.62)
+
+
+def verdict(operation: Operation, target: Candidate | None = None, content: str | None = None):
+    async def arbitrate(_incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
+        arbitrate.shortlists.append(shortlist)  # type: ignore[attr-defined]
+        return Arbitration(operation, target, content)
+
+    arbitrate.shortlists = []  # type: ignore[attr-defined]
+    return arbitrate
+
+
+async def arbitrate_fails(_incoming: str, _shortlist: list[Candidate]) -> Arbitration | None:
+    raise RuntimeError("provider down")
+
+
+async def arbitrate_unusable(_incoming: str, _shortlist: list[Candidate]) -> Arbitration | None:
+    return None
+
+
+REVERSED = "Customer prefers phone calls over email"
+
+
+async def arbitrated(arbitrate, nearest: list[Candidate], consolidate=None, exact=None):
+    return await decide(
+        IncomingWrite(content=REVERSED, duplicate_threshold=0.95, policy=WritePolicy.ARBITRATE),
+        exact_match=exact,
+        nearest=nearest,
+        consolidate=consolidate,
+        arbitrate=arbitrate,
+    )
+
+
+@pytest.mark.parametrize(
+    ("operation", "content", "action", "merged"),
+    [
+        (Operation.SUPERSEDE, None, WriteAction.SUPERSEDED, None),
+        (Operation.SKIP, None, WriteAction.SKIPPED, None),
+        (Operation.UPDATE, "Customer prefers phone calls, then email", WriteAction.UPDATED,
+         "Customer prefers phone calls, then email"),
+    ],
+)
+async def test_arbitration_operations_on_a_target(operation, content, action, merged) -> None:
+    decision = await arbitrated(verdict(operation, near(0.99), content), [near(0.99), OTHER])
+    assert decision.action is action and decision.target == near(0.99)
+    assert decision.merged_content == merged and decision.rule == f"arbitrated:{operation}"
+
+
+async def test_arbitration_add_creates() -> None:
+    decision = await arbitrated(verdict(Operation.ADD), [near(0.99)])
+    assert decision.action is WriteAction.CREATED and decision.rule == "arbitrated:add"
+
+
+async def test_arbitration_sees_a_shortlist_of_five_above_the_floor() -> None:
+    arbitrate = verdict(Operation.ADD)
+    candidates = [near(0.99 - i * 0.05) for i in range(9)]  # 0.99 … 0.59
+    await arbitrated(arbitrate, candidates)
+    assert [c.score for c in arbitrate.shortlists[0]] == [c.score for c in candidates[:5]]
+    assert all(c.score >= ARBITRATION_FLOOR for c in arbitrate.shortlists[0])
+
+
+async def test_arbitration_is_not_asked_without_candidates_or_for_an_exact_copy() -> None:
+    arbitrate = verdict(Operation.SKIP, near(0.5))
+    assert (await arbitrated(arbitrate, [near(0.5)])).rule == Rule.NO_CANDIDATE
+    assert (await arbitrated(arbitrate, [], exact=near(1.0))).rule == Rule.EXACT_COPY
+    assert arbitrate.shortlists == []
+
+
+@pytest.mark.parametrize(
+    "arbitrate",
+    [
+        arbitrate_fails,
+        arbitrate_unusable,
+        verdict(Operation.SUPERSEDE, None),  # supersede without a target
+        verdict(Operation.UPDATE, near(0.99), "  "),  # update without content
+    ],
+)
+async def test_unusable_arbitration_falls_back_to_the_seed_rule(arbitrate) -> None:
+    decision = await arbitrated(arbitrate, [near(0.99)])
+    assert decision.action is WriteAction.SKIPPED
+    assert decision.rule == f"arbitration_failed:{Rule.NEAR_DUPLICATE}"
+    below = await arbitrated(arbitrate, [near(0.8)], consolidate=merged)
+    assert below.action is WriteAction.UPDATED and below.rule == f"arbitration_failed:{Rule.MERGED}"

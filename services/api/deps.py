@@ -5,12 +5,13 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.errors import ApiError, not_found
+from shared import iam
 from shared import repository as repo
 from shared.ids import PROJECT_PREFIX, is_valid_id
 from shared.settings import Settings
@@ -33,10 +34,16 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 @dataclass(frozen=True)
 class Principal:
-    """Who calls. The admin token may act in any project; it must then name one."""
+    """Who calls. The admin token may act in any project and may do anything, but must name the project;
+    an API key acts only in its own project and only as far as its action patterns allow."""
 
     is_admin: bool
     project_id: str | None = None
+    actions: frozenset[str] = frozenset()
+    key_id: str | None = None
+
+    def can(self, action: str) -> bool:
+        return self.is_admin or iam.allows(self.actions, action)
 
 
 def _bearer(request: Request) -> str:
@@ -47,11 +54,18 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-async def get_principal(request: Request) -> Principal:
+async def get_principal(request: Request, session: SessionDep) -> Principal:
     token = _bearer(request)
     admin_token = request.app.state.admin_token
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
         return Principal(is_admin=True)
+    if token.startswith(iam.SECRET_PREFIX):
+        # Looked up on every request, never cached, so a revocation takes effect on the next one.
+        key = await repo.get_live_api_key(session, token)
+        if key is not None:
+            return Principal(
+                is_admin=False, project_id=key.project_id, actions=frozenset(key.actions), key_id=key.id
+            )
     raise ApiError(401, "invalid token")
 
 
@@ -65,6 +79,23 @@ async def require_admin(principal: PrincipalDep) -> Principal:
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]
+
+
+def require(*actions: str) -> Any:
+    """A route dependency: the caller must hold at least one of these IAM actions, else 403.
+
+    It runs before the route looks anything up, so a key without the action learns nothing about ids."""
+    unknown = set(actions) - iam.ACTIONS
+    if not actions or unknown:
+        raise ValueError(f"not IAM actions: {sorted(unknown) or 'none given'}")
+
+    async def holds_action(principal: PrincipalDep) -> Principal:
+        if not any(principal.can(action) for action in actions):
+            needed = " or ".join(actions)
+            raise ApiError(403, f"this key lacks the {needed} permission", meta={"actions": list(actions)})
+        return principal
+
+    return Depends(holds_action)
 
 
 async def resolve_project(session: AsyncSession, principal: Principal, requested: str | None) -> str:

@@ -9,11 +9,11 @@ from fastapi import APIRouter, FastAPI
 
 from services.api import errors
 from services.api.limits import BodySizeLimit
-from services.api.routes import entries, health, memories, projects, writes
-from services.api.write_gateway import WriteGateway
+from services.api.routes import agents, api_keys, entries, health, memories, metrics, projects, writes
 from shared import bus
 from shared.db.session import create_engine, session_factory
 from shared.settings import Settings
+from shared.write_gateway import WriteGateway
 
 API_PREFIX = "/api/v1"
 MAX_BODY_BYTES = 256 * 1024
@@ -26,11 +26,12 @@ def create_app(settings: Settings) -> FastAPI:
         engine = create_engine(settings.database_url)
         nc = await bus.connect(settings.nats_url, name="memories-api")
         await bus.ensure_layout(nc.jetstream(), settings)
-        gateway = WriteGateway(nc, settings.memories_partitions)
+        sessions = session_factory(engine)
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
         await gateway.start()
         app.state.settings = settings
         app.state.admin_token = settings.memories_admin_token
-        app.state.sessions = session_factory(engine)
+        app.state.sessions = sessions
         app.state.nats = nc
         app.state.gateway = gateway
         try:
@@ -48,8 +49,9 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     api = APIRouter(prefix=API_PREFIX)
-    for module in (projects, memories, entries, writes):
+    for module in (projects, api_keys, memories, entries, writes, agents):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     return app

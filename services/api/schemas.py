@@ -9,7 +9,6 @@ from typing import Annotated, Any, Generic, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, StringConstraints
 
 from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
-from shared.decision import WritePolicy
 from shared.events import (
     CONTENT_MAX_CHARS,
     DEFAULT_DUPLICATE_THRESHOLD,
@@ -18,6 +17,7 @@ from shared.events import (
     TAGS_MAX_COUNT,
     SourceType,
     WriteAction,
+    WritePolicy,
 )
 
 
@@ -123,6 +123,7 @@ class EntryCreate(Strict):
     tags: Tags | None = None
     metadata: Metadata = None
     duplicate_threshold: Threshold = DEFAULT_DUPLICATE_THRESHOLD
+    write_policy: WritePolicy | None = Field(default=None, description="this write only; default: the memory's")
 
 
 class EntryUpdate(Strict):

@@ -34,11 +34,11 @@ class WriteHandler:
         try:
             event = MemoryWriteRequested.model_validate_json(message.body)
         except ValidationError as exc:
-            await self._dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
+            await self.dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
             await message.ack()
             return
         if not raw.subject.endswith(f".{event.memory_id}"):
-            await self._dead_letter(raw.subject, message.body, reason="subject does not name the event's memory")
+            await self.dead_letter(raw.subject, message.body, reason="subject does not name the event's memory")
             await message.ack()
             return
 
@@ -52,7 +52,7 @@ class WriteHandler:
                 exc_info=exc,
             )
             if delivered >= self._max_deliver:
-                await self._dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
+                await self.dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
                 await message.ack()
             else:
                 await message.nack(delay=min(0.2 * 2**delivered, 5.0))
@@ -82,6 +82,7 @@ class WriteHandler:
                 entry_id=applied.outcome.entry_id,
                 kind=applied.change,
                 write_id=event.write_id,
+                superseded_entry_id=applied.superseded_entry_id,
             )
             try:
                 await self._js.publish(
@@ -93,7 +94,7 @@ class WriteHandler:
             except Exception:
                 log.exception("could not publish change event", extra={"write_id": event.write_id})
 
-    async def _dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
+    async def dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
         log.error("dead-lettering message from %s: %s", subject, reason)
         envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
         await self._js.publish(

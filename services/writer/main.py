@@ -16,6 +16,7 @@ from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
 
 from services.writer.handler import WriteHandler
+from services.writer.provenance import ProvenanceHandler
 from shared import bus
 from shared.batching import BatchingEmbedder
 from shared.db.session import create_engine, session_factory
@@ -38,8 +39,14 @@ class Writer:
         self._engine = create_engine(settings.database_url, pool_size=4)
         self._nc: NatsClient | None = None
         self._handler: WriteHandler | None = None
+        self._provenance: ProvenanceHandler | None = None
         for partition in self.partitions:
             self._subscribe(partition)
+        for durable, subject in (
+            (bus.WRITER_GENERATION_DELETIONS, f"{bus.GENERATION_DELETED_ROOT}.*"),
+            (bus.WRITER_CONVERSATION_DELETIONS, f"{bus.CONVERSATION_DELETED_ROOT}.*"),
+        ):
+            self._subscribe_deletions(durable, subject)
 
     def _subscribe(self, partition: int) -> None:
         @self.broker.subscriber(
@@ -55,6 +62,19 @@ class Writer:
             assert self._handler is not None
             await self._handler.handle(message)
 
+    def _subscribe_deletions(self, durable: str, subject: str) -> None:
+        @self.broker.subscriber(
+            subject,
+            stream=JStream(bus.GENERATIONS_STREAM, declare=False),
+            durable=durable,
+            pull_sub=PullSub(batch_size=1, timeout=1.0),
+            ack_policy=AckPolicy.MANUAL,
+            no_reply=True,
+        )
+        async def handle_deletion(message: NatsMessage) -> None:
+            assert self._provenance is not None
+            await self._provenance.handle(message)
+
     async def start(self) -> None:
         self._nc = await bus.connect(self.settings.nats_url or "", name="memories-writer")
         await bus.ensure_layout(self._nc.jetstream(), self.settings)
@@ -64,8 +84,16 @@ class Writer:
         async def embed_batch(texts: list[str]) -> list[list[float]]:
             return await embed_texts(texts, model=model, dimensions=dimensions)
 
-        applier = WriteApplier(session_factory(self._engine), BatchingEmbedder(embed_batch), model)
+        applier = WriteApplier(
+            session_factory(self._engine),
+            BatchingEmbedder(embed_batch),
+            model,
+            default_model=self.settings.memories_merge_model,
+            llm_timeout=self.settings.memories_llm_timeout_s,
+        )
+        await embed_batch(["warm up"])  # loads litellm and the model before the first write waits on them
         self._handler = WriteHandler(applier, self._nc, self.settings)
+        self._provenance = ProvenanceHandler(session_factory(self._engine), self._handler.dead_letter)
         await self.broker.start()
         log.info("writer consuming partitions %s", _ranges(self.partitions))
 

@@ -105,3 +105,19 @@ class EntryHistory(Base):
     content_before: Mapped[str | None] = mapped_column(Text)
     content_after: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _created()
+
+
+class ApiKey(Base):
+    """A project-scoped bearer credential. Only the secret's hash is kept; a revoked key stays, for audit."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str | None] = mapped_column(String(255))
+    prefix: Mapped[str] = mapped_column(String(16))
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    actions: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import JSONResponse
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, SettingsDep, scope
+from services.api.deps import PrincipalDep, SessionDep, SettingsDep, require, scope
 from services.api.errors import ApiError, envelope, not_found
 from services.api.pagination import PagingDep
 from services.api.routes.memories import load_memory
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
-from services.api.write_gateway import BusUnavailable
 from shared import repository as repo
-from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.db.models import EntryHistory, MemoryEntry
 from shared.embeddings import EmbeddingError, embed_texts
 from shared.events import MemoryWriteOutcome, MemoryWriteRequested, WriteAction
 from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_write_id
+from shared.write_gateway import BusUnavailable
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
 
@@ -42,6 +40,7 @@ async def load_entry(session: AsyncSession, principal_scope: str | None, entry_i
     "",
     status_code=status.HTTP_201_CREATED,
     summary="Write an entry through the dedup algorithm",
+    dependencies=[require("memories:CreateMemoryEntry")],
     responses={
         200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`"},
         202: {"model": WriteAccepted, "description": "queued; the writer has not decided within the timeout"},
@@ -56,60 +55,43 @@ async def create_entry(
     idempotency_key: Annotated[str | None, Header(description="retries with the same key get the first outcome")] = None,
 ) -> JSONResponse:
     memory = await load_memory(session, scope(principal), body.memory_id)
-    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+    event = MemoryWriteRequested(
+        event_id=write_id_for(memory.project_id, idempotency_key),
+        project_id=memory.project_id,
+        memory_id=memory.id,
+        content=body.content,
+        source_type=body.source_type,
+        tags=body.tags,
+        metadata=body.metadata,
+        duplicate_threshold=body.duplicate_threshold,
+        write_policy=body.write_policy,
+    )
+    return await submit_write(request, session, event)
+
+
+def write_id_for(project_id: str, idempotency_key: str | None) -> str:
+    """A client's Idempotency-Key names its write within the project; without one, every call is new."""
+    if idempotency_key is None:
+        return new_write_id()
+    if not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         raise ApiError(400, "Idempotency-Key must be 1..255 visible ASCII characters")
-    write_id = keyed_write_id(memory.project_id, idempotency_key) if idempotency_key else new_write_id()
-    record, owned = await repo.claim_write_id(session, write_id, memory.project_id, memory.id)
-    await session.commit()
-    if record.status == "applied":
-        return await _answer(session, _outcome_of(record))
+    return keyed_write_id(project_id, idempotency_key)
 
-    timeout = settings.memories_write_timeout_s
-    if owned:
-        event = MemoryWriteRequested(
-            event_id=write_id,
-            project_id=memory.project_id,
-            memory_id=memory.id,
-            content=body.content,
-            source_type=body.source_type,
-            tags=body.tags,
-            metadata=body.metadata,
-            duplicate_threshold=body.duplicate_threshold,
+
+async def submit_write(request: Request, session: AsyncSession, event: MemoryWriteRequested) -> JSONResponse:
+    """Hand the write to the writer and answer with its decision (201/200), its error, or 202 pending."""
+    # Give the connection back while waiting on the writer: a waiting request must not hold a pool slot.
+    await session.rollback()
+    try:
+        outcome = await request.app.state.gateway.submit(
+            event, timeout=request.app.state.settings.memories_write_timeout_s
         )
-        try:
-            outcome = await request.app.state.gateway.submit(event, attempt=record.failed_attempts, timeout=timeout)
-        except BusUnavailable as exc:
-            raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})")
-    else:
-        outcome = await _await_stored_outcome(request.app.state.sessions, write_id, timeout)
-
+    except BusUnavailable as exc:
+        raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})") from exc
     if outcome is None:
-        accepted = WriteAccepted(write_id=write_id, status="pending")
+        accepted = WriteAccepted(write_id=event.write_id, status="pending")
         return JSONResponse(accepted.model_dump(), status_code=status.HTTP_202_ACCEPTED)
     return await _answer(session, outcome)
-
-
-def _outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
-    return MemoryWriteOutcome(
-        write_id=record.write_id,
-        action=WriteAction(record.action) if record.action else None,
-        entry_id=record.entry_id,
-        score=record.score,
-    )
-
-
-async def _await_stored_outcome(
-    sessions: async_sessionmaker[AsyncSession], write_id: str, timeout: float
-) -> MemoryWriteOutcome | None:
-    """Another request owns this write's attempt; its outcome shows up in the database."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        async with sessions() as session:
-            record = await repo.get_write_outcome(session, write_id)
-        if record is not None and record.status == "applied":
-            return _outcome_of(record)
-        await asyncio.sleep(0.05)
-    return None
 
 
 async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
@@ -123,7 +105,11 @@ async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONRes
     return JSONResponse(written.model_dump(mode="json"), status_code=code)
 
 
-@router.get("", summary="List the entries of a memory (valid ones unless include_invalidated)")
+@router.get(
+    "",
+    summary="List the entries of a memory (valid ones unless include_invalidated)",
+    dependencies=[require("memories:ListMemoryEntries")],
+)
 async def list_entries(
     session: SessionDep,
     principal: PrincipalDep,
@@ -136,12 +122,20 @@ async def list_entries(
     return Page(data=[EntryOut.of(e) for e in rows], total=total, limit=paging.limit, offset=paging.offset)
 
 
-@router.get("/{entry_id}", summary="Get an entry, also when invalidated (audit)")
+@router.get(
+    "/{entry_id}",
+    summary="Get an entry, also when invalidated (audit)",
+    dependencies=[require("memories:GetMemoryEntry")],
+)
 async def get_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> EntryOut:
     return EntryOut.of(await load_entry(session, scope(principal), entry_id))
 
 
-@router.put("/{entry_id}", summary="Edit an entry: tags/metadata replaced, new content re-embedded, no dedup")
+@router.put(
+    "/{entry_id}",
+    summary="Edit an entry: tags/metadata replaced, new content re-embedded, no dedup",
+    dependencies=[require("memories:UpdateMemoryEntry")],
+)
 async def update_entry(
     entry_id: str, body: EntryUpdate, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> EntryOut:
@@ -176,7 +170,12 @@ async def update_entry(
     return EntryOut.of(entry)
 
 
-@router.delete("/{entry_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete an entry outright")
+@router.delete(
+    "/{entry_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete an entry outright",
+    dependencies=[require("memories:DeleteMemoryEntry")],
+)
 async def delete_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     await repo.lock_memory(session, entry.memory_id)

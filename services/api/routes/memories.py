@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, resolve_project, scope
+from services.api.deps import PrincipalDep, SessionDep, require, resolve_project, scope
 from services.api.errors import ApiError, not_found
 from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
 from shared.db.models import Memory
 from shared.ids import MEMORY_PREFIX, is_valid_id
-from sqlalchemy.ext.asyncio import AsyncSession
 
 router = APIRouter(prefix="/memories", tags=["memories"])
 
@@ -30,7 +30,12 @@ async def load_memory(session: AsyncSession, principal_scope: str | None, memory
     return memory
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, summary="Create a memory")
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    summary="Create a memory",
+    dependencies=[require("memories:CreateMemory")],
+)
 async def create_memory(body: MemoryCreate, session: SessionDep, principal: PrincipalDep) -> MemoryOut:
     project_id = await resolve_project(session, principal, body.project_id)
     memory = await repo.create_memory(
@@ -45,7 +50,11 @@ async def create_memory(body: MemoryCreate, session: SessionDep, principal: Prin
     return MemoryOut.of(memory)
 
 
-@router.get("", summary="List memories, optionally filtered by tag globs (`*`, `?`; ORed)")
+@router.get(
+    "",
+    summary="List memories, optionally filtered by tag globs (`*`, `?`; ORed)",
+    dependencies=[require("memories:ListMemories")],
+)
 async def list_memories(
     session: SessionDep,
     principal: PrincipalDep,
@@ -60,12 +69,16 @@ async def list_memories(
     return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
 
 
-@router.get("/{memory_id}", summary="Get a memory")
+@router.get("/{memory_id}", summary="Get a memory", dependencies=[require("memories:GetMemory")])
 async def get_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> MemoryOut:
     return MemoryOut.of(await load_memory(session, scope(principal), memory_id))
 
 
-@router.put("/{memory_id}", summary="Update a memory: only the fields present change")
+@router.put(
+    "/{memory_id}",
+    summary="Update a memory: only the fields present change",
+    dependencies=[require("memories:UpdateMemory")],
+)
 async def update_memory(
     memory_id: str, body: MemoryUpdate, session: SessionDep, principal: PrincipalDep
 ) -> MemoryOut:
@@ -81,7 +94,12 @@ async def update_memory(
     return MemoryOut.of(memory)
 
 
-@router.delete("/{memory_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete a memory and its entries")
+@router.delete(
+    "/{memory_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete a memory and its entries",
+    dependencies=[require("memories:DeleteMemory")],
+)
 async def delete_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
     memory = await load_memory(session, scope(principal), memory_id)
     await repo.delete_memory(session, memory)

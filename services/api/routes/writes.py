@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from services.api.deps import PrincipalDep, SessionDep, scope
+from services.api.deps import PrincipalDep, SessionDep, require, scope
 from services.api.errors import not_found
 from services.api.schemas import WriteStatus
 from shared import repository as repo
@@ -13,7 +13,13 @@ from shared.ids import is_valid_write_id
 router = APIRouter(prefix="/memory-writes", tags=["memory entries"])
 
 
-@router.get("/{write_id}", summary="The stored outcome of a write: pending, applied or failed")
+# Who got a 202 polls here, and the outcome only names an entry a reader may fetch anyway:
+# either action will do.
+@router.get(
+    "/{write_id}",
+    summary="The stored outcome of a write: pending, applied or failed",
+    dependencies=[require("memories:CreateMemoryEntry", "memories:GetMemoryEntry")],
+)
 async def get_write(write_id: str, session: SessionDep, principal: PrincipalDep) -> WriteStatus:
     outcome = None
     if is_valid_write_id(write_id):

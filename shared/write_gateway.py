@@ -1,23 +1,35 @@
-"""Publishes write events to JetStream and waits for the writer's answer on a subject of this process."""
+"""Submitting a write and waiting for the writer's decision: used by every write route of the API, and
+callable from Python by an agent platform that runs next to the service.
+
+A submission claims its write id in the database (a pending record), publishes the event to JetStream
+with a reply subject of this process, and waits. A known id returns its stored outcome; an id another
+caller is already publishing is awaited through the database.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
+from shared import repository as repo
 from shared.events import MemoryWriteOutcome, MemoryWriteRequested
+from shared.writes import outcome_of
 
-log = logging.getLogger("memories.api")
+log = logging.getLogger("memories.gateway")
 
 PUBLISH_TIMEOUT_S = 5.0
 """How long JetStream may take to acknowledge a publish before the bus counts as unavailable."""
+
+_POLL_INTERVAL_S = 0.05
 
 
 class BusUnavailable(Exception):
@@ -25,9 +37,10 @@ class BusUnavailable(Exception):
 
 
 class WriteGateway:
-    def __init__(self, nc: NatsClient, partitions: int) -> None:
+    def __init__(self, nc: NatsClient, sessions: async_sessionmaker[AsyncSession], partitions: int) -> None:
         self._nc = nc
         self._js = nc.jetstream()
+        self._sessions = sessions
         self._partitions = partitions
         self._inbox = f"_INBOX.memories.{uuid.uuid4().hex}"
         self._waiting: dict[str, asyncio.Future[MemoryWriteOutcome]] = {}
@@ -45,8 +58,23 @@ class WriteGateway:
         if future is not None and not future.done():
             future.set_result(outcome)
 
-    async def submit(self, event: MemoryWriteRequested, *, attempt: int, timeout: float) -> MemoryWriteOutcome | None:
-        """Publish and wait up to `timeout`; None means the writer has not answered yet (the write stays queued)."""
+    async def submit(self, event: MemoryWriteRequested, *, timeout: float) -> MemoryWriteOutcome | None:
+        """The write's outcome, or None when the writer has not decided within `timeout` (it stays queued).
+
+        Raises BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
+        """
+        async with self._sessions() as session:
+            record, owned = await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            await session.commit()
+        if record.status == "applied":
+            return outcome_of(record)
+        if not owned:
+            return await self._await_stored(event.write_id, timeout)
+        return await self._publish_and_wait(event, attempt=record.failed_attempts, timeout=timeout)
+
+    async def _publish_and_wait(
+        self, event: MemoryWriteRequested, *, attempt: int, timeout: float
+    ) -> MemoryWriteOutcome | None:
         event = event.model_copy(update={"reply_subject": f"{self._inbox}.{event.write_id}"})
         # Registered before publishing: the answer can arrive before the publish acknowledgement.
         future: asyncio.Future[MemoryWriteOutcome] = asyncio.get_running_loop().create_future()
@@ -69,3 +97,14 @@ class WriteGateway:
                 return None
         finally:
             self._waiting.pop(event.write_id, None)
+
+    async def _await_stored(self, write_id: str, timeout: float) -> MemoryWriteOutcome | None:
+        """Another caller owns this write's attempt; its outcome shows up in the database."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            async with self._sessions() as session:
+                record = await repo.get_write_outcome(session, write_id)
+            if record is not None and record.status != "pending":
+                return outcome_of(record)
+            await asyncio.sleep(_POLL_INTERVAL_S)
+        return None

@@ -1,0 +1,169 @@
+"""Agent and orchestration write paths, entry history, and provenance clean-up for platforms on HTTP."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from services.api.deps import PrincipalDep, SessionDep, require, resolve_project, scope
+from services.api.errors import ApiError
+from services.api.routes.entries import load_entry, submit_write, write_id_for
+from services.api.routes.memories import load_memory
+from services.api.schemas import Content, Metadata, Strict, Timestamp
+from shared import repository as repo
+from shared.agents import WRITE_MEMORY_TOOL, AgentSpec, call_write_memory, orchestration_event
+from shared.events import CONTENT_MAX_CHARS, TAGS_MAX_COUNT, SourceType
+from shared.ids import MEMORY_PREFIX, is_valid_id
+
+router = APIRouter(tags=["agents"])
+
+
+class WriteMemoryCall(Strict):
+    content: Content
+    agent: AgentSpec
+    generation_id: str | None = Field(default=None, max_length=255)
+    memory_id: str | None = Field(default=None, description="if given, must be the agent's write_memory_id")
+    project_id: str | None = None
+
+
+class ToolResult(BaseModel):
+    action: str | None = None
+    entry_id: str | None = None
+    error: str | None = None
+    write_id: str | None = None
+
+
+@router.get("/tools/write_memory", summary="The write_memory tool definition (OpenAI tool format)")
+async def write_memory_definition() -> dict[str, Any]:
+    return WRITE_MEMORY_TOOL
+
+
+@router.post(
+    "/tools/write_memory",
+    summary="Execute a write_memory tool call: the target is the agent's write_memory_id",
+    dependencies=[require("memories:CreateMemoryEntry")],
+    response_model_exclude_none=True,
+)
+async def write_memory(body: WriteMemoryCall, request: Request, session: SessionDep, principal: PrincipalDep) -> ToolResult:
+    project_id = await resolve_project(session, principal, body.project_id)
+    target = body.agent.knowledge().write_memory_id
+    if body.memory_id is not None and body.memory_id != target:
+        return ToolResult(error="the model cannot choose the memory: it is fixed by write_memory_id")
+    if not target or not is_valid_id(target, MEMORY_PREFIX) or await repo.get_memory(session, project_id, target) is None:
+        return ToolResult(error="the agent's write_memory_id names no memory of this project")
+    await session.rollback()  # no pool slot held while the writer decides
+    result = await call_write_memory(
+        request.app.state.gateway,
+        project_id=project_id,
+        agent=body.agent,
+        content=body.content,
+        generation_id=body.generation_id,
+        timeout=request.app.state.settings.memories_write_timeout_s,
+    )
+    return ToolResult(**result)
+
+
+class OrchestrationWrite(Strict):
+    memory_id: str
+    content: Annotated[Any, Field(description="the mapped input; a non-string is stored JSON-encoded")]
+    tags: list[Annotated[str, Field(min_length=1, max_length=128)]] | dict[str, str | int | float | bool] | None = None
+    metadata: Metadata = None
+    source_type: SourceType = SourceType.ORCHESTRATION
+
+
+@router.post(
+    "/orchestration/memory-write",
+    status_code=201,
+    summary="An orchestration memory_write node: never merges; tags may be a {key: value} map",
+    dependencies=[require("memories:CreateMemoryEntry")],
+)
+async def orchestration_write(
+    body: OrchestrationWrite,
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> JSONResponse:
+    memory = await load_memory(session, scope(principal), body.memory_id)
+    if body.content is None:
+        raise ApiError(400, "content is required", meta={"missing_fields": ["content"]})
+    event = orchestration_event(
+        project_id=memory.project_id,
+        memory_id=memory.id,
+        content=body.content,
+        tags=body.tags,
+        metadata=body.metadata,
+        source_type=body.source_type,
+        write_id=write_id_for(memory.project_id, idempotency_key),
+    )
+    if not event.content.strip() or len(event.content) > CONTENT_MAX_CHARS:
+        raise ApiError(413 if event.content.strip() else 400, f"content must be 1 to {CONTENT_MAX_CHARS} characters")
+    if event.tags is not None and len(event.tags) > TAGS_MAX_COUNT:
+        raise ApiError(400, f"at most {TAGS_MAX_COUNT} tags", meta={"invalid_fields": ["tags"]})
+    return await submit_write(request, session, event)
+
+
+class HistoryRecord(BaseModel):
+    write_id: str | None
+    entry_id: str
+    related_entry_id: str | None
+    action: str
+    rule: str | None
+    score: float | None
+    candidate_ids: list[str] | None
+    model: str | None
+    prompt_version: str | None
+    content_before: str | None
+    content_after: str | None
+    created_at: Timestamp
+
+
+class History(BaseModel):
+    entry_id: str
+    data: list[HistoryRecord]
+
+
+@router.get(
+    "/memory-entries/{entry_id}/history",
+    summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
+    dependencies=[require("memories:GetMemoryEntry")],
+)
+async def entry_history(entry_id: str, session: SessionDep, principal: PrincipalDep) -> History:
+    entry = await load_entry(session, scope(principal), entry_id)
+    records = await repo.list_history(session, entry.id)
+    return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])
+
+
+class ProvenanceCleared(BaseModel):
+    cleared: int = Field(description="how many entries referenced it")
+
+
+@router.delete(
+    "/generations/{generation_id}/provenance",
+    summary="A generation was deleted: entries forget it, the facts stay",
+    dependencies=[require("memories:UpdateMemoryEntry")],
+)
+async def forget_generation(
+    generation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+) -> ProvenanceCleared:
+    project = await resolve_project(session, principal, project_id)
+    cleared = await repo.clear_provenance(session, project, generation_id=generation_id)
+    await session.commit()
+    return ProvenanceCleared(cleared=cleared)
+
+
+@router.delete(
+    "/conversations/{conversation_id}/provenance",
+    summary="A conversation was deleted: entries forget it, the facts stay",
+    dependencies=[require("memories:UpdateMemoryEntry")],
+)
+async def forget_conversation(
+    conversation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+) -> ProvenanceCleared:
+    project = await resolve_project(session, principal, project_id)
+    cleared = await repo.clear_provenance(session, project, conversation_id=conversation_id)
+    await session.commit()
+    return ProvenanceCleared(cleared=cleared)

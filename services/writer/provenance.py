@@ -1,0 +1,46 @@
+"""Deleted generations and conversations: entries forget the reference, the facts stay."""
+
+from __future__ import annotations
+
+import logging
+
+from faststream.nats.message import NatsMessage
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared import repository as repo
+from shared.events import ConversationDeleted, GenerationDeleted
+
+log = logging.getLogger("memories.writer")
+
+
+class ProvenanceHandler:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], dead_letter) -> None:
+        self._sessions = sessions
+        self._dead_letter = dead_letter
+
+    async def handle(self, message: NatsMessage) -> None:
+        subject = message.raw_message.subject
+        try:
+            if subject.startswith("generations."):
+                event: GenerationDeleted | ConversationDeleted = GenerationDeleted.model_validate_json(message.body)
+            else:
+                event = ConversationDeleted.model_validate_json(message.body)
+        except ValidationError as exc:
+            await self._dead_letter(subject, message.body, reason=f"invalid deletion event: {exc.errors()[:3]}")
+            await message.ack()
+            return
+        try:
+            async with self._sessions.begin() as session:
+                if isinstance(event, GenerationDeleted):
+                    cleared = await repo.clear_provenance(session, event.project_id, generation_id=event.generation_id)
+                else:
+                    cleared = await repo.clear_provenance(
+                        session, event.project_id, conversation_id=event.conversation_id
+                    )
+        except Exception:
+            log.exception("could not clear provenance for %s", subject)
+            await message.nack(delay=1.0)
+            return
+        await message.ack()
+        log.info("provenance cleared on %d entries", cleared, extra={"subject": subject})

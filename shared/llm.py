@@ -1,0 +1,145 @@
+"""Completions through litellm, and the two model steps of the write path: merge and arbitration.
+
+Both steps are handed to `shared.decision.decide` as callables; any failure in them (timeout, provider
+error, unusable answer) surfaces as None there, and the decision falls back to the seed's rule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shared.decision import Arbitration, Candidate, Operation
+from shared.events import AgentContext
+
+log = logging.getLogger("memories.llm")
+
+MERGE_PROMPT_VERSION = "merge-v1"
+ARBITRATION_PROMPT_VERSION = "arbitrate-v1"
+
+_MERGE_INSTRUCTIONS = (
+    "You maintain a memory of atomic facts. Consolidate the existing fact and the new fact below into a "
+    "single self-contained sentence that keeps every detail of both. Where they contradict each other, "
+    "the new fact wins. Answer with that one sentence and nothing else."
+)
+
+_ARBITRATION_INSTRUCTIONS = (
+    "You maintain a memory of atomic facts. A new fact arrives; below it are the most similar facts "
+    "already stored, each with a number. Decide what to do and answer with one JSON object and nothing "
+    'else: {"operation": "add" | "update" | "supersede" | "skip", "target": <number or null>, '
+    '"content": <string or null>}.\n'
+    "- add: the new fact is different information; store it as a new fact.\n"
+    "- skip: the new fact says exactly what fact <target> already says.\n"
+    "- update: the new fact adds detail to fact <target> without contradicting it; content is the "
+    "single merged sentence.\n"
+    "- supersede: the new fact contradicts or replaces fact <target> (a changed value, a negation, a "
+    "reversed preference); the old fact is retired and the new one stored."
+)
+
+
+class LlmError(Exception):
+    """A completion failed; the message names the model and the purpose."""
+
+
+def _litellm() -> Any:
+    # litellm fetches a model cost map over the network while importing unless this is set first.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    litellm.suppress_debug_info = True
+    return litellm
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+async def complete(
+    messages: list[dict[str, str]], *, agent: AgentContext, timeout: float, purpose: str
+) -> Completion:
+    """One temperature-0 completion. Raises LlmError on any failure."""
+    litellm = _litellm()
+    # The provider key is named, never stored: the event carries the variable's name only.
+    api_key = os.environ.get(agent.api_key_env) if agent.api_key_env else None
+    try:
+        response = await litellm.acompletion(
+            model=agent.model,
+            messages=messages,
+            temperature=0,
+            timeout=timeout,
+            api_base=agent.api_base,
+            api_key=api_key,
+            num_retries=0,
+        )
+        text = response.choices[0].message.content or ""
+    except Exception as exc:
+        raise LlmError(f"{purpose} completion with {agent.model!r} failed: {exc}") from exc
+    usage = getattr(response, "usage", None)
+    return Completion(
+        text=text,
+        model=agent.model,
+        prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+        completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+    )
+
+
+class ModelSteps:
+    """The merge and arbitration callables for one write, bound to the model of its agent context."""
+
+    def __init__(self, agent: AgentContext, timeout: float) -> None:
+        self.agent = agent
+        self._timeout = timeout
+
+    async def consolidate(self, existing: str, incoming: str) -> str | None:
+        messages = [
+            {"role": "system", "content": _MERGE_INSTRUCTIONS},
+            {"role": "user", "content": f"Existing fact: {existing}\nNew fact: {incoming}"},
+        ]
+        try:
+            completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose="merge")
+        except LlmError as exc:
+            log.warning("%s", exc)
+            return None
+        return completion.text.strip().strip('"').strip() or None
+
+    async def arbitrate(self, incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
+        listing = "\n".join(f"[{i}] {candidate.content}" for i, candidate in enumerate(shortlist, start=1))
+        messages = [
+            {"role": "system", "content": _ARBITRATION_INSTRUCTIONS},
+            {"role": "user", "content": f"New fact: {incoming}\n\nStored facts:\n{listing}"},
+        ]
+        try:
+            completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose="arbitration")
+        except LlmError as exc:
+            log.warning("%s", exc)
+            return None
+        return parse_arbitration(completion.text, shortlist)
+
+
+def parse_arbitration(text: str, shortlist: list[Candidate]) -> Arbitration | None:
+    """The model names candidates by their small number; map it back, and refuse anything else."""
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end <= start:
+        return None
+    try:
+        answer = json.loads(text[start : end + 1])
+        operation = Operation(str(answer.get("operation", "")).lower())
+    except (ValueError, AttributeError):
+        return None
+    target_ref = answer.get("target", answer.get("target_entry_id"))
+    target: Candidate | None = None
+    if target_ref is not None:
+        by_number = {str(i): c for i, c in enumerate(shortlist, start=1)}
+        by_id = {c.entry_id: c for c in shortlist}
+        target = by_number.get(str(target_ref)) or by_id.get(str(target_ref))
+        if target is None:
+            return None  # a target outside the shortlist is never trusted
+    content = answer.get("content")
+    return Arbitration(operation, target, content if isinstance(content, str) else None)

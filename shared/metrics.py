@@ -1,0 +1,445 @@
+"""Every Prometheus metric of the project, declared once with fixed label sets, and what feeds them.
+
+Services never create metric objects: they call the small `observe_*` / `track_*` functions below, so a
+metric's name, labels and buckets live in this one place (the Grafana dashboard in deploy/ reads them).
+The API renders `REGISTRY` on `/metrics`; the writer and the extractor, which have no HTTP of their own,
+serve it with `/healthz` and `/readyz` through `MetricsServer` on MEMORIES_METRICS_PORT.
+
+Consumer lag is not observed by the consumers: `poll_consumer_lag` reads it from JetStream, so it shows
+the backlog even while no consumer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from shared import bus
+from shared.events import SourceType, WriteAction
+from shared.settings import Settings
+
+log = logging.getLogger("memories.metrics")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LAG_POLL_INTERVAL_S = 15.0
+"""Prometheus scrapes every 15 s by default: polling faster would only produce values nobody reads."""
+
+# A registry of our own: what a scrape returns is exactly what this module declares (plus the process).
+# The `*_created` timestamp series double every counter's series for no dashboard's benefit.
+disable_created_metrics()
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
+
+# From a 5 ms synchronous write to a write that waited minutes in a backlog.
+_WRITE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# From a 2 ms in-process embedding to a slow remote LLM call.
+_MODEL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Purpose(StrEnum):
+    """The `purpose` label of model metrics: why a model was called."""
+
+    WRITE = "write"  # embedding an incoming entry
+    SEARCH = "search"  # embedding a query
+    MERGE = "merge"  # embedding or generating merged content
+    ARBITRATION = "arbitration"
+    EXTRACTION = "extraction"
+
+
+class TokenKind(StrEnum):
+    PROMPT = "prompt"
+    COMPLETION = "completion"
+
+
+WRITE_DECISIONS = Counter(
+    "memories_write_decisions", "Writes decided by the writer", ["action", "source_type"], registry=REGISTRY
+)
+WRITE_FAILURES = Counter(
+    "memories_write_failures", "Write attempts stored as failed, by error code", ["code"], registry=REGISTRY
+)
+WRITE_LATENCY = Histogram(
+    "memories_write_latency_seconds",
+    "From the API building the write event to the writer's committed decision (redeliveries included)",
+    ["source_type"],
+    buckets=_WRITE_BUCKETS,
+    registry=REGISTRY,
+)
+EMBEDDING_SECONDS = Histogram(
+    "memories_embedding_seconds",
+    "Embedding calls",
+    ["model", "purpose"],
+    buckets=_MODEL_BUCKETS,
+    registry=REGISTRY,
+)
+EMBEDDING_ERRORS = Counter(
+    "memories_embedding_errors", "Failed embedding calls", ["model", "purpose"], registry=REGISTRY
+)
+EMBEDDING_TOKENS = Counter(
+    "memories_embedding_tokens",
+    "Tokens the embedding model reported",
+    ["model", "purpose"],
+    registry=REGISTRY,
+)
+LLM_SECONDS = Histogram(
+    "memories_llm_seconds",
+    "Generative model calls",
+    ["model", "purpose"],
+    buckets=_MODEL_BUCKETS,
+    registry=REGISTRY,
+)
+LLM_ERRORS = Counter(
+    "memories_llm_errors", "Failed generative model calls", ["model", "purpose"], registry=REGISTRY
+)
+LLM_TOKENS = Counter(
+    "memories_llm_tokens",
+    "Tokens the generative model reported",
+    ["model", "purpose", "kind"],
+    registry=REGISTRY,
+)
+EXTRACTIONS = Counter(
+    "memories_extractions",
+    "Generation turns handled by the extractor, by outcome",
+    ["outcome"],
+    registry=REGISTRY,
+)
+EXTRACTION_SKIPS = Counter(
+    "memories_extraction_skips",
+    "Extraction candidates or turns skipped, by reason",
+    ["reason"],
+    registry=REGISTRY,
+)
+DEAD_LETTERS = Counter(
+    "memories_dead_letters",
+    "Messages this process sent to DEAD_LETTERS, by origin",
+    ["origin"],
+    registry=REGISTRY,
+)
+CONSUMER_PENDING = Gauge(
+    "memories_consumer_pending",
+    "Messages of the stream not yet delivered to the durable consumer (its lag)",
+    ["stream", "consumer"],
+    registry=REGISTRY,
+)
+CONSUMER_ACK_PENDING = Gauge(
+    "memories_consumer_ack_pending",
+    "Messages delivered to the consumer and not acknowledged yet",
+    ["stream", "consumer"],
+    registry=REGISTRY,
+)
+CONSUMER_REDELIVERIES = Gauge(
+    "memories_consumer_redeliveries",
+    "Unacknowledged messages of the consumer that were delivered more than once",
+    ["stream", "consumer"],
+    registry=REGISTRY,
+)
+STREAM_MESSAGES = Gauge(
+    "memories_stream_messages",
+    "Messages stored in the stream (DEAD_LETTERS: its backlog)",
+    ["stream"],
+    registry=REGISTRY,
+)
+LAG_POLL_ERRORS = Counter(
+    "memories_lag_poll_errors", "Lag polls that could not read JetStream", registry=REGISTRY
+)
+
+# Series of known label values exist from the start, so rate() and alerts see a 0 rather than nothing.
+for _action in WriteAction:
+    for _source in SourceType:
+        WRITE_DECISIONS.labels(_action.value, _source.value)
+for _source in SourceType:
+    WRITE_LATENCY.labels(_source.value)
+
+
+def render() -> bytes:
+    """The Prometheus text exposition of everything above."""
+    return generate_latest(REGISTRY)
+
+
+# --- the write path -----------------------------------------------------------------------------------
+
+
+def observe_write_decision(action: str, source_type: str, requested_at: datetime | None = None) -> None:
+    """One committed decision; `requested_at` is the event's `occurred_at`, stamped by the API."""
+    WRITE_DECISIONS.labels(action, source_type).inc()
+    if requested_at is not None:
+        # Clocks of two hosts can disagree by a little: never a negative latency.
+        elapsed = (datetime.now(UTC) - requested_at).total_seconds()
+        WRITE_LATENCY.labels(source_type).observe(max(0.0, elapsed))
+
+
+def observe_write_failure(code: str) -> None:
+    WRITE_FAILURES.labels(code).inc()
+
+
+def observe_dead_letter(origin: str) -> None:
+    DEAD_LETTERS.labels(origin).inc()
+
+
+def observe_extraction(outcome: str) -> None:
+    EXTRACTIONS.labels(outcome).inc()
+
+
+def observe_extraction_skip(reason: str) -> None:
+    EXTRACTION_SKIPS.labels(reason).inc()
+
+
+# --- model calls --------------------------------------------------------------------------------------
+
+
+def _usage_field(usage: Any, name: str) -> int:
+    value = usage.get(name) if isinstance(usage, Mapping) else getattr(usage, name, None)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _usage_of(response: Any) -> Any:
+    return response.get("usage") if isinstance(response, Mapping) else getattr(response, "usage", None)
+
+
+class EmbeddingCall:
+    """The handle `track_embedding` yields: report what the provider counted."""
+
+    def __init__(self, model: str, purpose: str) -> None:
+        self._tokens = EMBEDDING_TOKENS.labels(model, purpose)
+
+    def add_tokens(self, count: int) -> None:
+        if count > 0:
+            self._tokens.inc(count)
+
+    def record_usage(self, response: Any) -> None:
+        """Tokens from a litellm EmbeddingResponse (or its dict form); providers that count none add 0."""
+        usage = _usage_of(response)
+        if usage is not None:
+            self.add_tokens(_usage_field(usage, "prompt_tokens") or _usage_field(usage, "total_tokens"))
+
+
+class LlmCall:
+    """The handle `track_llm` yields: report what the provider counted."""
+
+    def __init__(self, model: str, purpose: str) -> None:
+        self._model, self._purpose = model, purpose
+
+    def add_tokens(self, *, prompt: int = 0, completion: int = 0) -> None:
+        for kind, count in ((TokenKind.PROMPT, prompt), (TokenKind.COMPLETION, completion)):
+            if count > 0:
+                LLM_TOKENS.labels(self._model, self._purpose, kind.value).inc(count)
+
+    def record_usage(self, response: Any) -> None:
+        """Tokens from a litellm ModelResponse (or its dict form)."""
+        usage = _usage_of(response)
+        if usage is not None:
+            self.add_tokens(
+                prompt=_usage_field(usage, "prompt_tokens"),
+                completion=_usage_field(usage, "completion_tokens"),
+            )
+
+
+@contextmanager
+def track_embedding(model: str, purpose: str) -> Iterator[EmbeddingCall]:
+    """Time one embedding call (failed ones too) and count it as an error if the block raises.
+
+    Cancellation is not an error: it is the caller giving up, not the model failing.
+    """
+    started = time.perf_counter()
+    try:
+        yield EmbeddingCall(model, purpose)
+    except Exception:
+        EMBEDDING_ERRORS.labels(model, purpose).inc()
+        raise
+    finally:
+        EMBEDDING_SECONDS.labels(model, purpose).observe(time.perf_counter() - started)
+
+
+@contextmanager
+def track_llm(model: str, purpose: str) -> Iterator[LlmCall]:
+    """Like `track_embedding`, for generative calls (merge, arbitration, extraction)."""
+    started = time.perf_counter()
+    try:
+        yield LlmCall(model, purpose)
+    except Exception:
+        LLM_ERRORS.labels(model, purpose).inc()
+        raise
+    finally:
+        LLM_SECONDS.labels(model, purpose).observe(time.perf_counter() - started)
+
+
+# --- consumer lag, read from JetStream ----------------------------------------------------------------
+
+ConsumerRef = tuple[str, str]
+"""(stream, durable consumer name)."""
+
+
+def writer_consumers(settings: Settings, partitions: Sequence[int] | None = None) -> list[ConsumerRef]:
+    """The writer partition consumers: all of them, or those one writer replica is bound to."""
+    chosen = range(settings.memories_partitions) if partitions is None else partitions
+    return [(bus.WRITES_STREAM, bus.writer_durable(p)) for p in chosen]
+
+
+def _forget(gauges: Iterable[Gauge], *labels: str) -> None:
+    for gauge in gauges:
+        with suppress(KeyError):
+            gauge.remove(*labels)
+
+
+async def poll_consumer_lag(
+    js: JetStreamContext,
+    consumers: Iterable[ConsumerRef],
+    streams: Iterable[str] = (bus.DEAD_LETTER_STREAM,),
+) -> None:
+    """One pass: set the lag gauges of `consumers` and the message gauges of `streams`.
+
+    A consumer or stream that no longer exists loses its series (e.g. after the partition count was
+    lowered) instead of showing its last value forever. Any other failure ends the pass and propagates.
+    """
+    for stream, consumer in consumers:
+        try:
+            info = await js.consumer_info(stream, consumer)
+        except NotFoundError:
+            _forget((CONSUMER_PENDING, CONSUMER_ACK_PENDING, CONSUMER_REDELIVERIES), stream, consumer)
+            continue
+        CONSUMER_PENDING.labels(stream, consumer).set(info.num_pending or 0)
+        CONSUMER_ACK_PENDING.labels(stream, consumer).set(info.num_ack_pending or 0)
+        CONSUMER_REDELIVERIES.labels(stream, consumer).set(info.num_redelivered or 0)
+    for stream in streams:
+        try:
+            stream_info = await js.stream_info(stream)
+        except NotFoundError:
+            _forget((STREAM_MESSAGES,), stream)
+            continue
+        STREAM_MESSAGES.labels(stream).set(stream_info.state.messages)
+
+
+async def run_lag_poller(
+    js: JetStreamContext,
+    consumers: Sequence[ConsumerRef],
+    streams: Sequence[str] = (bus.DEAD_LETTER_STREAM,),
+    interval_s: float = LAG_POLL_INTERVAL_S,
+) -> None:
+    """Poll until cancelled; run it as a task next to the consumers. Failures are counted, not raised."""
+    while True:
+        try:
+            await poll_consumer_lag(js, consumers, streams)
+        except Exception as exc:  # noqa: BLE001 - NATS away for a moment: try again next round
+            LAG_POLL_ERRORS.inc()
+            log.warning("could not read consumer lag: %s", exc or type(exc).__name__)
+        await asyncio.sleep(interval_s)
+
+
+# --- /metrics, /healthz and /readyz for processes without HTTP ----------------------------------------
+
+ReadyCheck = Callable[[], bool | Awaitable[bool]]
+
+_REQUEST_TIMEOUT_S = 5.0
+_MAX_HEADER_LINES = 100
+
+
+class MetricsServer:
+    """A minimal HTTP/1.0 server on the process's event loop: `/metrics`, `/healthz`, `/readyz`.
+
+    It runs on the same loop as the consumers on purpose: a blocked loop stops answering `/healthz`, which
+    is exactly when a liveness probe should restart the process. `ready` is called for each `/readyz`; an
+    exception from it counts as not ready.
+    """
+
+    def __init__(self, port: int, ready: ReadyCheck | None = None, host: str = "0.0.0.0") -> None:
+        self._host, self._port = host, port
+        self._ready = ready
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the chosen one when constructed with 0)."""
+        if self._server is None or not self._server.sockets:
+            return self._port
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        log.info("metrics and probes on http://%s:%d/metrics", self._host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path = await asyncio.wait_for(self._read_request(reader), _REQUEST_TIMEOUT_S)
+            status, content_type, body = await self._route(method, path)
+            head = (
+                f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (TimeoutError, ConnectionError, ValueError):
+            pass  # a probe that hung up or spoke garbage gets nothing
+        finally:
+            writer.close()
+
+    @staticmethod
+    async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
+        request_line = (await reader.readline()).decode("latin-1").split()
+        if len(request_line) < 2:
+            raise ValueError("no request line")
+        for _ in range(_MAX_HEADER_LINES):  # headers are read and ignored
+            if (await reader.readline()).strip() == b"":
+                break
+        return request_line[0].upper(), request_line[1].split("?", 1)[0]
+
+    async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"GET only\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE, render()
+        if path == "/healthz":
+            return "200 OK", "application/json", b'{"status":"ok"}'
+        if path == "/readyz":
+            ready = await self._is_ready()
+            body = b'{"status":"ready"}' if ready else b'{"status":"unavailable"}'
+            return ("200 OK" if ready else "503 Service Unavailable"), "application/json", body
+        return "404 Not Found", "text/plain", b"not found\n"
+
+    async def _is_ready(self) -> bool:
+        if self._ready is None:
+            return True
+        try:
+            answer = self._ready()
+            return bool(await answer) if inspect.isawaitable(answer) else bool(answer)
+        except Exception:
+            log.exception("readiness check failed")
+            return False
+
+
+async def serve_metrics(settings: Settings, ready: ReadyCheck | None = None) -> MetricsServer | None:
+    """Start the server on MEMORIES_METRICS_PORT; None when that is 0 (off)."""
+    if not settings.memories_metrics_port:
+        return None
+    server = MetricsServer(settings.memories_metrics_port, ready)
+    await server.start()
+    return server

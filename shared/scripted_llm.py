@@ -1,0 +1,88 @@
+"""A deterministic litellm provider, `scripted/<name>`, for tests and benchmarks: never the network.
+
+Each model name gets a script: a fixed reply, a function of the messages, or an exception to raise.
+Every call is recorded, so a test can assert what the service asked and how often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+import litellm
+from litellm.llms.custom_llm import CustomLLM, CustomLLMError
+from litellm.types.utils import Choices, Message, ModelResponse, Usage
+
+PROVIDER = "scripted"
+
+Reply = str | Exception | Callable[[list[dict[str, Any]]], str]
+
+
+@dataclass
+class ScriptedCall:
+    model: str
+    messages: list[dict[str, Any]]
+    temperature: float | None
+
+
+@dataclass
+class ScriptedLLM(CustomLLM):
+    scripts: dict[str, Reply] = field(default_factory=dict)
+    calls: list[ScriptedCall] = field(default_factory=list)
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def script(self, name: str, reply: Reply) -> str:
+        """Program `scripted/<name>`; returns the full litellm model string."""
+        self.scripts[name] = reply
+        return f"{PROVIDER}/{name}"
+
+    def calls_to(self, name: str) -> list[ScriptedCall]:
+        return [call for call in self.calls if call.model == name]
+
+    def _reply(self, model: str, messages: list[dict[str, Any]], optional_params: dict[str, Any]) -> ModelResponse:
+        name = model.removeprefix(f"{PROVIDER}/")
+        self.calls.append(ScriptedCall(name, messages, optional_params.get("temperature")))
+        reply = self.scripts.get(name)
+        if reply is None:
+            raise CustomLLMError(status_code=404, message=f"no script for {PROVIDER}/{name}")
+        if isinstance(reply, Exception):
+            # As a provider error, so litellm reports it like any provider failure.
+            raise CustomLLMError(status_code=503, message=f"{type(reply).__name__}: {reply}")
+        text = reply(messages) if callable(reply) else reply
+        words = sum(len(str(m.get("content", "")).split()) for m in messages)
+        return ModelResponse(
+            model=model,
+            choices=[Choices(index=0, finish_reason="stop", message=Message(role="assistant", content=text))],
+            usage=Usage(prompt_tokens=words, completion_tokens=len(text.split()), total_tokens=words + len(text.split())),
+        )
+
+    def completion(self, model: str, messages: list[Any], *args: Any, **kwargs: Any) -> ModelResponse:
+        return self._reply(model, messages, kwargs.get("optional_params") or {})
+
+    async def acompletion(self, model: str, messages: list[Any], *args: Any, **kwargs: Any) -> ModelResponse:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        return self._reply(model, messages, kwargs.get("optional_params") or {})
+
+
+_instance: ScriptedLLM | None = None
+
+
+def scripted_llm() -> ScriptedLLM:
+    """The process's scripted provider, registered with litellm beside any other custom provider."""
+    global _instance
+    if _instance is None:
+        _instance = ScriptedLLM()
+    current = list(litellm.custom_provider_map or [])
+    if not any(entry.get("custom_handler") is _instance for entry in current):
+        others = [entry for entry in current if entry.get("provider") != PROVIDER]
+        litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": _instance}]
+    return _instance

@@ -1,0 +1,325 @@
+"""Agent write paths end to end (API → JetStream → writer → PostgreSQL) with the scripted litellm provider:
+the write_memory tool, LLM merge, arbitration with supersede, orchestration writes, provenance, history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import nats
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared import bus
+from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
+from shared.events import AgentContext, GenerationDeleted, MemoryWriteRequested
+from shared.ids import new_write_id
+from shared.scripted_llm import ScriptedLLM, scripted_llm
+from shared.settings import Settings
+
+EMAIL = "Customer prefers email over phone calls"
+EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
+REVERSED = "Customer prefers phone calls over email"  # cosine ≈ 0.99
+MERGED = "Customer prefers email over phone calls, ideally in the morning."
+
+
+@pytest.fixture
+def llm() -> ScriptedLLM:
+    provider = scripted_llm()
+    provider.calls.clear()
+    return provider
+
+
+def agent(model: str, memory_id: str, **extra: Any) -> dict[str, Any]:
+    # camelCase on purpose: a platform may store the config either way.
+    return {"id": "agent_1", "model": model, "knowledge_config": {"writeMemoryId": memory_id, **extra}}
+
+
+async def tool_write(
+    client: httpx.AsyncClient, memory: dict[str, Any], content: str, model: str, generation_id: str = "gen_1"
+) -> dict[str, Any]:
+    response = await client.post(
+        "/tools/write_memory",
+        json={"content": content, "generation_id": generation_id, "agent": agent(model, memory["id"]),
+              "project_id": memory["project_id"]},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def get_entry(client: httpx.AsyncClient, entry_id: str) -> dict[str, Any]:
+    return (await client.get(f"/memory-entries/{entry_id}")).json()
+
+
+async def test_tool_definition_is_an_openai_tool(client: httpx.AsyncClient) -> None:
+    tool = (await client.get("/tools/write_memory")).json()
+    assert tool["type"] == "function" and tool["function"]["name"] == "write_memory"
+    assert tool["function"]["parameters"]["required"] == ["content"]
+    assert list(tool["function"]["parameters"]["properties"]) == ["content"]
+
+
+async def test_tool_write_records_agent_provenance(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("unused", "never asked")
+    result = await tool_write(client, memory, EMAIL, model, generation_id="gen_42")
+    assert result["action"] == "created" and "error" not in result
+    entry = await get_entry(client, result["entry_id"])
+    assert entry["source_type"] == "agent" and entry["source_generation_id"] == "gen_42"
+    assert entry["source_conversation_id"] is None
+    assert llm.calls == []  # nothing similar yet: no model call
+
+
+async def test_tool_target_is_fixed_by_write_memory_id(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    other = (await client.post("/memories", json={"project_id": memory["project_id"], "name": "other"})).json()
+    body = {"content": EMAIL, "agent": agent("scripted/x", memory["id"]), "memory_id": other["id"],
+            "project_id": memory["project_id"]}
+    chosen = (await client.post("/tools/write_memory", json=body)).json()
+    assert "error" in chosen and "entry_id" not in chosen
+    elsewhere = (await client.post("/projects", json={"name": "another tenant"})).json()
+    foreign = (await client.post("/memories", json={"project_id": elsewhere["id"], "name": "foreign"})).json()
+    misconfigured = (
+        await client.post(
+            "/tools/write_memory",
+            json={"content": EMAIL, "agent": agent("scripted/x", foreign["id"]), "project_id": memory["project_id"]},
+        )
+    ).json()
+    assert "error" in misconfigured
+    no_target = (
+        await client.post(
+            "/tools/write_memory",
+            json={"content": EMAIL, "agent": {"model": "scripted/x", "knowledge_config": {}},
+                  "project_id": memory["project_id"]},
+        )
+    ).json()
+    assert "error" in no_target
+    assert (await client.get("/memory-entries", params={"memory_id": other["id"]})).json()["total"] == 0
+
+
+async def test_merge_consolidates_similar_agent_facts(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    first_vec, second_vec = await embed_texts([EMAIL, EMAIL_DETAIL], model=LOCAL_MODEL)
+    assert 0.75 <= cosine(first_vec, second_vec) < 0.95  # the merge band of the default embedder
+    model = llm.script("merge-ok", MERGED)
+    first = await tool_write(client, memory, EMAIL, model, generation_id="gen_first")
+
+    async def embedding() -> str:
+        async with sessions() as session:
+            return str(await session.scalar(
+                text("SELECT embedding FROM memory_entries WHERE id = :id"), {"id": first["entry_id"]}))
+
+    before = await embedding()
+    merged = await tool_write(client, memory, EMAIL_DETAIL, model, generation_id="gen_second")
+    assert merged == {"action": "updated", "entry_id": first["entry_id"]}
+    entry = await get_entry(client, first["entry_id"])
+    assert entry["content"] == MERGED
+    assert entry["source_generation_id"] == "gen_first"  # provenance of the first assertion is kept
+    assert await embedding() != before  # the merged text was re-embedded
+    [call] = llm.calls_to("merge-ok")
+    assert call.temperature == 0
+    prompt = " ".join(m["content"] for m in call.messages)
+    assert EMAIL in prompt and EMAIL_DETAIL in prompt
+    history = (await client.get(f"/memory-entries/{first['entry_id']}/history")).json()["data"]
+    assert [r["action"] for r in history] == ["created", "updated"]
+    assert history[1]["content_before"] == EMAIL and history[1]["content_after"] == MERGED
+    assert history[1]["model"] == model and history[1]["prompt_version"] == "merge-v1"
+
+
+@pytest.mark.parametrize("reply", ["   ", RuntimeError("provider down"), "x" * 3000])
+async def test_unusable_merge_creates_instead(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, reply: Any
+) -> None:
+    model = llm.script("merge-bad", reply)
+    first = await tool_write(client, memory, EMAIL, model)
+    second = await tool_write(client, memory, EMAIL_DETAIL, model)
+    assert second["action"] == "created" and second["entry_id"] != first["entry_id"]
+    assert (await get_entry(client, first["entry_id"]))["content"] == EMAIL  # nothing appended
+    assert len(llm.calls_to("merge-bad")) == 1
+
+
+async def test_manual_writes_never_merge(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
+    await client.post("/memory-entries", json={"memory_id": memory["id"], "content": EMAIL})
+    second = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": EMAIL_DETAIL})
+    assert second.json()["action"] == "created" and llm.calls == []
+
+
+async def _publish(settings: Settings, event: MemoryWriteRequested) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.jetstream().publish(
+            bus.write_subject(event.memory_id, settings.memories_partitions),
+            event.model_dump_json().encode(),
+            stream=bus.WRITES_STREAM,
+        )
+    finally:
+        await nc.close()
+
+
+async def _outcome(client: httpx.AsyncClient, write_id: str) -> dict[str, Any]:
+    for _ in range(200):
+        status = await client.get(f"/memory-writes/{write_id}")
+        if status.status_code == 200 and status.json()["status"] != "pending":
+            return status.json()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no outcome for {write_id}")
+
+
+async def test_merge_unions_tags_and_merges_metadata(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("merge-tags", MERGED)
+    first = (
+        await client.post(
+            "/memory-entries",
+            json={"memory_id": memory["id"], "content": EMAIL, "tags": ["b", "a"], "metadata": {"x": 1, "y": 1}},
+        )
+    ).json()
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=EMAIL_DETAIL,
+        source_type="extraction", tags=["a", "c"], metadata={"y": 2, "z": 3}, agent=AgentContext(model=model),
+        source_generation_id="gen_x",
+    )
+    await _publish(settings, event)
+    outcome = await _outcome(client, event.write_id)
+    assert outcome["action"] == "updated" and outcome["entry_id"] == first["id"]
+    entry = await get_entry(client, first["id"])
+    assert entry["tags"] == ["b", "a", "c"]
+    assert entry["metadata"] == {"x": 1, "y": 2, "z": 3}
+    assert entry["source_type"] == "manual" and entry["source_generation_id"] is None
+
+
+def arbitration_reply(operation: str, target: int | None = 1, content: str | None = None) -> str:
+    return json.dumps({"operation": operation, "target": target, "content": content})
+
+
+async def arbitrated_memory(client: httpx.AsyncClient, project_id: str) -> dict[str, Any]:
+    response = await client.post(
+        "/memories", json={"project_id": project_id, "name": "arbitrated", "write_policy": "arbitrate"}
+    )
+    assert response.status_code == 201 and response.json()["write_policy"] == "arbitrate"
+    return response.json()
+
+
+async def test_arbitration_supersedes_a_reversed_preference(
+    client: httpx.AsyncClient, project: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    memory = await arbitrated_memory(client, project["id"])
+    model = llm.script("arbiter-supersede", arbitration_reply("supersede"))
+    old = await tool_write(client, memory, EMAIL, model, generation_id="gen_old")
+    new = await tool_write(client, memory, REVERSED, model, generation_id="gen_new")
+    assert new["action"] == "superseded" and new["entry_id"] != old["entry_id"]
+    retired = await get_entry(client, old["entry_id"])
+    assert retired["invalidated_at"] is not None and retired["superseded_by_entry_id"] == new["entry_id"]
+    replacement = await get_entry(client, new["entry_id"])
+    assert replacement["content"] == REVERSED and replacement["source_generation_id"] == "gen_new"
+    listed = (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()
+    assert [e["id"] for e in listed["data"]] == [new["entry_id"]]
+    history = (await client.get(f"/memory-entries/{old['entry_id']}/history")).json()["data"]
+    assert history[-1]["action"] == "superseded" and history[-1]["entry_id"] == new["entry_id"]
+    assert history[-1]["prompt_version"] == "arbitrate-v1"
+    # The retired fact is no dedup candidate: restating it creates (the model is asked about the new one only).
+    llm.script("arbiter-supersede", arbitration_reply("add"))
+    restated = await tool_write(client, memory, EMAIL, model)
+    assert restated["action"] == "created"
+    shortlist_prompt = llm.calls_to("arbiter-supersede")[-1].messages[-1]["content"]
+    assert REVERSED in shortlist_prompt and f"] {EMAIL}\n" not in shortlist_prompt + "\n"
+
+
+@pytest.mark.parametrize(
+    ("reply", "action"),
+    [
+        (arbitration_reply("skip"), "skipped"),
+        (arbitration_reply("add", None), "created"),
+        (arbitration_reply("update", 1, "Customer prefers phone calls now, email before."), "updated"),
+        (arbitration_reply("supersede", 7), "skipped"),  # a target outside the shortlist: seed rule
+        ("not json at all", "skipped"),  # malformed: seed rule (0.99 ≥ 0.95 → skipped)
+        (RuntimeError("timeout"), "skipped"),  # failed call: seed rule
+    ],
+)
+async def test_arbitration_operations_and_fallbacks(
+    client: httpx.AsyncClient, project: dict[str, Any], llm: ScriptedLLM, reply: Any, action: str
+) -> None:
+    memory = await arbitrated_memory(client, project["id"])
+    model = llm.script("arbiter", reply)
+    old = await tool_write(client, memory, EMAIL, model)
+    new = await tool_write(client, memory, REVERSED, model)
+    assert new["action"] == action
+    if action in ("skipped", "updated"):
+        assert new["entry_id"] == old["entry_id"]
+    if action == "updated":
+        assert (await get_entry(client, old["entry_id"]))["content"].startswith("Customer prefers phone calls now")
+
+
+async def test_arbitration_skips_an_exact_copy_without_asking(
+    client: httpx.AsyncClient, project: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    memory = await arbitrated_memory(client, project["id"])
+    model = llm.script("arbiter-copy", arbitration_reply("add"))
+    first = await tool_write(client, memory, EMAIL, model)
+    again = await tool_write(client, memory, EMAIL.upper() + ".", model)
+    assert again == {"action": "skipped", "entry_id": first["entry_id"]}
+    assert llm.calls_to("arbiter-copy") == []
+
+
+async def test_orchestration_write_encodes_content_and_flattens_tags(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    response = await client.post(
+        "/orchestration/memory-write",
+        json={"memory_id": memory["id"], "content": {"order": 42, "status": "shipped"},
+              "tags": {"role": "traffic-manager", "priority": 1}, "metadata": {"node": "n1"}},
+    )
+    assert response.status_code == 201, response.text
+    entry = response.json()
+    assert entry["content"] == '{"order": 42, "status": "shipped"}'
+    assert entry["tags"] == ["role:traffic-manager", "priority:1"]
+    assert entry["source_type"] == "orchestration" and entry["metadata"] == {"node": "n1"}
+    listed = await client.post(
+        "/orchestration/memory-write",
+        json={"memory_id": memory["id"], "content": "Plain text fact", "tags": ["a"], "source_type": "manual"},
+    )
+    assert listed.json()["tags"] == ["a"] and listed.json()["source_type"] == "manual"
+    assert (await client.post("/orchestration/memory-write", json={"memory_id": memory["id"]})).status_code == 400
+    assert llm.calls == []
+
+
+async def test_deleting_a_generation_or_conversation_keeps_the_facts(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("unused-2", "x")
+    by_tool = await tool_write(client, memory, "The warehouse closes at 6pm", model, generation_id="gen_del")
+    cleared = await client.delete("/generations/gen_del/provenance", params={"project_id": memory["project_id"]})
+    assert cleared.json() == {"cleared": 1}
+    entry = await get_entry(client, by_tool["entry_id"])
+    assert entry["source_generation_id"] is None and entry["content"] == "The warehouse closes at 6pm"
+
+    second = await tool_write(client, memory, "Invoices are paid within 30 days", model, generation_id="gen_bus")
+    nc = await nats.connect(settings.nats_url)
+    try:
+        deletion = GenerationDeleted(event_id="evt_1", project_id=memory["project_id"], generation_id="gen_bus")
+        await nc.jetstream().publish(
+            bus.generation_deleted_subject(memory["project_id"]), deletion.model_dump_json().encode(),
+            stream=bus.GENERATIONS_STREAM,
+        )
+    finally:
+        await nc.close()
+    for _ in range(100):
+        if (await get_entry(client, second["entry_id"]))["source_generation_id"] is None:
+            break
+        await asyncio.sleep(0.05)
+    assert (await get_entry(client, second["entry_id"]))["source_generation_id"] is None
+
+
+async def test_concurrent_agent_writes_to_one_memory_are_serialised(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("merge-concurrent", MERGED)
+    results = await asyncio.gather(*(tool_write(client, memory, EMAIL, model) for _ in range(20)))
+    assert sorted(r["action"] for r in results) == ["created"] + ["skipped"] * 19
+    assert len({r["entry_id"] for r in results}) == 1

@@ -1,0 +1,390 @@
+"""deploy/: the files parse, name only settings that exist, run real CLI commands, cover every partition,
+and agree with one another (ports, names, metrics). Docker is not needed: structure is checked here, and the
+stream layout that `memories bus init` applies is applied for real to a 3-node JetStream cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import yaml
+from nats.js.api import RetentionPolicy
+
+from services.cli import _parse_partitions, build_parser
+from shared import bus, metrics
+from shared.servers import nats_server_binary, start_nats_cluster
+from shared.settings import Settings
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+K8S = DEPLOY / "k8s"
+MEMORIES_IMAGE_K8S = "memories"  # kustomize's `images:` maps it onto the pushed image
+SETTING_NAMES = {name.upper() for name in Settings.model_fields}
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def k8s_objects() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path in sorted(K8S.glob("*.yaml")):
+        found += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    return found
+
+
+def of_kind(kind: str, *, include_examples: bool = False) -> list[dict[str, Any]]:
+    return [
+        doc
+        for name, doc in k8s_objects()
+        if doc.get("kind") == kind and (include_examples or "example" not in name)
+    ]
+
+
+def compose() -> dict[str, Any]:
+    return load_yaml(DEPLOY / "compose.yaml")  # type: ignore[no-any-return]
+
+
+def compose_memories_services() -> dict[str, dict[str, Any]]:
+    doc = compose()
+    image = doc["x-memories"]["image"]
+    return {name: service for name, service in doc["services"].items() if service.get("image") == image}
+
+
+def assert_known_settings(where: str, environment: dict[str, Any]) -> None:
+    unknown = sorted(set(environment) - SETTING_NAMES)
+    assert not unknown, f"{where} sets variables no setting reads: {unknown}"
+    # The values must also be valid for the settings (an int field given "sixteen" fails here).
+    Settings(**{name.lower(): value for name, value in environment.items()})
+
+
+def assert_cli_command(where: str, argv: list[str]) -> None:
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where} runs `memories {' '.join(argv)}`, which the CLI rejects")
+
+
+def assert_partitions_covered(where: str, specs: list[str], partitions: int) -> None:
+    counts = Counter(p for spec in specs for p in _parse_partitions(spec) or [])
+    missing = [p for p in range(partitions) if counts[p] == 0]
+    shared = sorted(p for p, n in counts.items() if n > 1)
+    extra = sorted(p for p in counts if p >= partitions)
+    assert not (missing or shared or extra), (
+        f"{where}: missing {missing}, in two ranges {shared}, beyond N {extra}"
+    )
+
+
+# --- every file parses ------------------------------------------------------------------------------
+
+
+def deploy_files(*suffixes: str) -> Iterator[Path]:
+    return (path for path in sorted(DEPLOY.rglob("*")) if path.suffix in suffixes)
+
+
+@pytest.mark.parametrize(
+    "path", list(deploy_files(".yaml", ".yml")), ids=lambda p: str(p.relative_to(DEPLOY))
+)
+def test_yaml_parses(path: Path) -> None:
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    assert docs and all(isinstance(doc, dict) for doc in docs)
+
+
+@pytest.mark.parametrize("path", list(deploy_files(".json")), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_json_parses(path: Path) -> None:
+    assert isinstance(json.loads(path.read_text()), dict)
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "nats").glob("nats-*.conf")), ids=lambda p: p.name)
+def test_nats_node_config_is_valid_for_nats_server(path: Path) -> None:
+    result = subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr or result.stdout
+
+
+def test_dockerfile_builds_one_image_for_every_command() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
+    assert "pip install ." in text
+    assert re.search(r'^ENTRYPOINT \["memories"\]', text, re.MULTILINE)
+    exposed = {
+        int(port) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE) for port in line.split()
+    }
+    assert {Settings().memories_port, 9100} <= exposed
+
+
+# --- compose ----------------------------------------------------------------------------------------
+
+
+def test_compose_services_set_only_known_settings_and_run_real_commands() -> None:
+    services = compose_memories_services()
+    assert {"migrate", "bus-init", "api", "extractor"} <= set(services)
+    for name, service in services.items():
+        assert_known_settings(f"compose service {name}", service["environment"])
+        assert_cli_command(f"compose service {name}", service["command"])
+    assert services["migrate"]["command"] == ["migrate"]
+    assert services["bus-init"]["command"] == ["bus", "init"]
+
+
+def test_compose_long_running_services_wait_for_migrations_and_the_bus_layout() -> None:
+    for name, service in compose_memories_services().items():
+        if name in ("migrate", "bus-init"):
+            continue
+        conditions = {dep: spec["condition"] for dep, spec in service["depends_on"].items()}
+        assert conditions == {
+            "migrate": "service_completed_successfully",
+            "bus-init": "service_completed_successfully",
+        }
+
+
+def test_compose_writers_cover_every_partition_once() -> None:
+    services = compose_memories_services()
+    writers = {name: s for name, s in services.items() if s["command"][0] == "writer"}
+    assert len(writers) >= 2
+    partitions = {int(s["environment"]["MEMORIES_PARTITIONS"]) for s in services.values()}
+    assert len(partitions) == 1, "every service must compute partitions with the same N"
+    specs = [s["command"][s["command"].index("--partitions") + 1] for s in writers.values()]
+    assert_partitions_covered("compose writers", specs, partitions.pop())
+
+
+def test_compose_nats_cluster_has_three_nodes_for_three_stream_replicas() -> None:
+    doc = compose()
+    nodes = sorted(name for name in doc["services"] if name.startswith("nats-"))
+    assert nodes == ["nats-1", "nats-2", "nats-3"]
+    cluster_conf = (DEPLOY / "nats" / "cluster.conf").read_text()
+    for node in nodes:
+        assert f"nats-route://{node}:6222" in cluster_conf
+        config_file = doc["services"][node]["command"][-1]
+        assert (DEPLOY / "nats" / Path(config_file).name).exists()
+        assert f"server_name: {node}" in (DEPLOY / "nats" / Path(config_file).name).read_text()
+    env = doc["x-memories-env"]
+    assert int(env["MEMORIES_STREAM_REPLICAS"]) == len(nodes)
+    assert sorted(re.findall(r"nats://(nats-\d):4222", env["NATS_URL"])) == nodes
+
+
+def test_prometheus_scrapes_every_memories_service_on_its_port() -> None:
+    services = compose_memories_services()
+    scraped: dict[str, int] = {}
+    for job in load_yaml(DEPLOY / "prometheus.yml")["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            scraped.update({name: sd["port"] for name in sd["names"]})
+    long_running = {name for name in services if name not in ("migrate", "bus-init")}
+    assert set(scraped) == long_running
+    for name in long_running:
+        env = services[name]["environment"]
+        expected = env["MEMORIES_PORT"] if name == "api" else env["MEMORIES_METRICS_PORT"]
+        assert scraped[name] == int(expected), name
+
+
+# --- Grafana ----------------------------------------------------------------------------------------
+
+
+def dashboard_expressions() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "memories.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def declared_metric_families() -> set[str]:
+    return {family.name for family in metrics.REGISTRY.collect() if family.name.startswith("memories_")}
+
+
+def test_dashboard_queries_only_declared_metrics_and_shows_all_of_them() -> None:
+    declared = declared_metric_families()  # counters without their _total suffix
+    used = set()
+    for expr in dashboard_expressions():
+        for name in re.findall(r"\bmemories_[a-z_]+", expr):
+            used.add(re.sub(r"(_total|_bucket|_count|_sum)$", "", name))
+    assert used - declared == set(), "the dashboard queries metrics shared/metrics.py does not declare"
+    assert declared - used == set(), "declared metrics missing from the dashboard"
+
+
+def test_grafana_provisioning_matches_the_dashboard_and_compose() -> None:
+    datasource = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yaml")["datasources"][0]
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/memories.json").read_text())
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"] if "datasource" in panel}
+    assert uids == {datasource["uid"]}
+    provider = load_yaml(DEPLOY / "grafana/provisioning/dashboards/memories.yaml")["providers"][0]
+    mounts = compose()["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in mounts
+
+
+# --- Kubernetes -------------------------------------------------------------------------------------
+
+
+def pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    specs = []
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        specs += [
+            (f"{kind} {doc['metadata']['name']}", doc["spec"]["template"]["spec"]) for doc in of_kind(kind)
+        ]
+    return specs
+
+
+def memories_containers() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for where, spec in pod_specs():
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            if container["image"] == MEMORIES_IMAGE_K8S:
+                found.append((f"{where}/{container['name']}", container))
+    return found
+
+
+def config_data() -> dict[str, str]:
+    [config] = [doc for doc in of_kind("ConfigMap") if doc["metadata"]["name"] == "memories-config"]
+    return config["data"]  # type: ignore[no-any-return]
+
+
+def test_every_k8s_object_is_well_formed() -> None:
+    objects = k8s_objects()
+    assert objects
+    for file_name, doc in objects:
+        assert doc.get("apiVersion") and doc.get("kind"), file_name
+        if doc["kind"] != "Kustomization":
+            assert doc["metadata"]["name"], file_name
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).exists(), resource
+    assert [image["name"] for image in kustomization["images"]] == [MEMORIES_IMAGE_K8S]
+
+
+def test_k8s_containers_set_only_known_settings_and_run_real_commands() -> None:
+    secret_keys = {
+        doc["metadata"]["name"]: set(doc["stringData"]) for doc in of_kind("Secret", include_examples=True)
+    }
+    configs = {doc["metadata"]["name"]: doc["data"] for doc in of_kind("ConfigMap")}
+    containers = memories_containers()
+    assert containers
+    for where, container in containers:
+        assert_cli_command(where, container["args"])
+        environment: dict[str, Any] = {}
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                environment.update(configs[source["configMapRef"]["name"]])
+            elif source["secretRef"].get("optional"):
+                continue  # provider keys for litellm: not ours to know
+            else:
+                environment.update(dict.fromkeys(secret_keys[source["secretRef"]["name"]], "x"))
+        environment.update({var["name"]: var.get("value", "x") for var in container.get("env", [])})
+        assert_known_settings(where, environment)
+
+
+def test_k8s_long_running_containers_have_probes_and_resource_requests() -> None:
+    metrics_port = int(config_data()["MEMORIES_METRICS_PORT"])
+    for kind in ("Deployment", "StatefulSet"):
+        for doc in of_kind(kind):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                where = f"{doc['metadata']['name']}/{container['name']}"
+                assert {"cpu", "memory"} <= set(container["resources"]["requests"]), where
+                ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+                for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+                    check = container[probe]["httpGet"]
+                    assert check["path"] == path and check["port"] in ports, f"{where} {probe}"
+                annotations = doc["spec"]["template"]["metadata"]["annotations"]
+                assert int(annotations["prometheus.io/port"]) in ports.values(), where
+                if container["args"][0] in ("writer", "extractor"):
+                    assert ports[container["livenessProbe"]["httpGet"]["port"]] == metrics_port, where
+
+
+def test_k8s_writers_cover_every_partition_once() -> None:
+    specs = []
+    for doc in of_kind("Deployment") + of_kind("StatefulSet"):
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            if container["args"][0] == "writer":
+                specs.append(container["args"][container["args"].index("--partitions") + 1])
+    assert len(specs) >= 2
+    assert_partitions_covered("k8s writers", specs, int(config_data()["MEMORIES_PARTITIONS"]))
+
+
+def test_k8s_selectors_autoscaler_and_init_job_point_at_real_objects() -> None:
+    deployments = {doc["metadata"]["name"]: doc for doc in of_kind("Deployment")}
+    for doc in deployments.values():
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    pod_labels = [doc["spec"]["template"]["metadata"]["labels"] for doc in deployments.values()]
+    for doc in of_kind("Service"):
+        selector = doc["spec"]["selector"]
+        assert any(selector.items() <= labels.items() for labels in pod_labels), doc["metadata"]
+    for doc in of_kind("PodDisruptionBudget"):
+        selector = doc["spec"]["selector"]["matchLabels"]
+        assert any(selector.items() <= labels.items() for labels in pod_labels), doc["metadata"]
+    [autoscaler] = of_kind("HorizontalPodAutoscaler")
+    target = deployments[autoscaler["spec"]["scaleTargetRef"]["name"]]
+    assert target["spec"]["template"]["spec"]["containers"][0]["args"] == ["extractor"]
+    [job] = of_kind("Job")
+    steps = [
+        c["args"]
+        for c in job["spec"]["template"]["spec"]["initContainers"]
+        + job["spec"]["template"]["spec"]["containers"]
+    ]
+    assert steps == [["migrate"], ["bus", "init"]]
+
+
+# --- the stream layout, applied by `memories bus init` as compose's bus-init service runs it ----------
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    nodes = start_nats_cluster(tmp_path_factory.mktemp("nats-cluster"), size=3)
+    try:
+        yield ",".join(node.url for node in nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def run_bus_init(nats_url: str, **overrides: str) -> subprocess.CompletedProcess[str]:
+    environment = {name: str(value) for name, value in compose()["x-memories-env"].items()}
+    environment.update(NATS_URL=nats_url, **overrides)
+    env = {key: value for key, value in os.environ.items() if key.upper() not in SETTING_NAMES} | environment
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "bus", "init"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_cluster: str) -> None:
+    result = run_bus_init(nats_cluster)
+    assert result.returncode == 0, result.stderr
+    partitions = int(compose()["x-memories-env"]["MEMORIES_PARTITIONS"])
+    nc = await nats.connect(nats_cluster.split(","))
+    try:
+        js = nc.jetstream()
+        for stream in (bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.DEAD_LETTER_STREAM):
+            info = await js.stream_info(stream)
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2  # leader + 2 followers
+        writes = (await js.stream_info(bus.WRITES_STREAM)).config
+        assert writes.retention == RetentionPolicy.WORK_QUEUE
+        assert writes.duplicate_window == Settings().memories_duplicate_window_s
+        consumers = {c.name: c.config for c in await js.consumers_info(bus.WRITES_STREAM)}
+        assert set(consumers) == {bus.writer_durable(p) for p in range(partitions)}
+        assert all(
+            c.max_ack_pending == 1 and c.max_deliver == Settings().memories_max_deliver
+            for c in consumers.values()
+        )
+
+        # Applying again changes nothing and fails nothing: it runs on every deploy.
+        assert run_bus_init(nats_cluster).returncode == 0
+        # Lowering the partition count does NOT delete the consumers of the dropped partitions (see
+        # docs/operations.md): if ensure_layout starts deleting them, that document must change too.
+        assert run_bus_init(nats_cluster, MEMORIES_PARTITIONS=str(partitions // 2)).returncode == 0
+        assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
+    finally:
+        await nc.close()
