@@ -7,6 +7,7 @@ consumer otherwise keeps the settings it was created with.
 
 from __future__ import annotations
 
+import json
 import logging
 import zlib
 from dataclasses import dataclass
@@ -184,6 +185,13 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCo
         log.warning("recreating consumer %s on %s with new settings", config.durable_name, stream)
         await js.delete_consumer(stream, config.durable_name or "")
         await js.add_consumer(stream, config=config)
+
+
+async def dead_letter(js: JetStreamContext, origin: str, subject: str, body: bytes, *, reason: str) -> None:
+    """Park a message that cannot be processed, with why, for `memories dlq list|replay`."""
+    log.error("dead-lettering message from %s: %s", subject, reason)
+    envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
+    await js.publish(dead_letter_subject(origin), json.dumps(envelope).encode(), stream=DEAD_LETTER_STREAM)
 
 
 async def connect(url: str, *, name: str) -> NatsClient:

@@ -63,6 +63,7 @@ class AgentContext(BaseModel):
     model: str = Field(description="litellm model used for merge and arbitration, e.g. openai/gpt-4o-mini")
     api_base: str | None = None
     api_key_env: str | None = Field(default=None, description="name of the env variable holding the key")
+    ai_provider_id: str | None = Field(default=None, description="the registry provider metered for its usage")
 
 
 class MemoryWriteRequested(Event):
@@ -136,3 +137,61 @@ class ConversationDeleted(Event):
 
     project_id: str
     conversation_id: str = Field(min_length=1, max_length=255)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    role: str
+    content: str | None = None
+
+
+class GenerationAgent(BaseModel):
+    """The agent as the platform stores it; `knowledge_config` may be snake_case or camelCase."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str | None = None
+    model: str | None = Field(default=None, description="the agent's model (a litellm model or a provider's)")
+    ai_provider_id: str | None = Field(default=None, description="the agent's pinned provider")
+    model_route_id: str | None = None
+    knowledge_config: dict[str, Any] | None = None
+
+
+class GenerationCompleted(Event):
+    """Subject `generations.completed.<project_id>`; stream GENERATIONS; consumed by the extractor.
+
+    Published by the agent platform when a model turn ends (or through POST /generations/completed)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    project_id: str
+    generation_id: str = Field(min_length=1, max_length=255)
+    conversation_id: str | None = Field(default=None, max_length=255)
+    agent: GenerationAgent
+    extract: bool | None = Field(default=None, description="per-turn override of the agent's extraction default")
+    streamed: bool = False
+    status: str = Field(default="completed", description="completed, requires_action, failed, …")
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
+    output: str | None = Field(default=None, description="the assistant's reply of this turn")
+
+
+class ExtractionSummary(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    candidates: int = 0
+    created: int = 0
+    updated: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+
+class ExtractionCompleted(Event):
+    """Subject `generations.extraction.<project_id>`; stream GENERATIONS: for the platform to record on
+    its generation. `status` is completed, skipped (with `reason`) or failed (with `reason`)."""
+
+    project_id: str
+    generation_id: str
+    status: str
+    reason: str | None = None
+    summary: ExtractionSummary

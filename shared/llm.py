@@ -44,6 +44,10 @@ class LlmError(Exception):
     """A completion failed; the message names the model and the purpose."""
 
 
+class RateLimited(LlmError):
+    """The provider asked us to slow down: worth retrying the same target after a pause."""
+
+
 def _litellm() -> Any:
     # litellm fetches a model cost map over the network while importing unless this is set first.
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -96,6 +100,7 @@ class ModelSteps:
     def __init__(self, agent: AgentContext, timeout: float) -> None:
         self.agent = agent
         self._timeout = timeout
+        self.completions: list[tuple[str, Completion]] = []  # (purpose, completion), for usage metering
 
     async def consolidate(self, existing: str, incoming: str) -> str | None:
         messages = [
@@ -107,6 +112,7 @@ class ModelSteps:
         except LlmError as exc:
             log.warning("%s", exc)
             return None
+        self.completions.append(("merge", completion))
         return completion.text.strip().strip('"').strip() or None
 
     async def arbitrate(self, incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
@@ -120,6 +126,7 @@ class ModelSteps:
         except LlmError as exc:
             log.warning("%s", exc)
             return None
+        self.completions.append(("arbitration", completion))
         return parse_arbitration(completion.text, shortlist)
 
 

@@ -75,96 +75,65 @@ class TokenKind(StrEnum):
     COMPLETION = "completion"
 
 
-WRITE_DECISIONS = Counter(
-    "memories_write_decisions", "Writes decided by the writer", ["action", "source_type"], registry=REGISTRY
+def _counter(name: str, documentation: str, *labels: str) -> Counter:
+    return Counter(name, documentation, labels, registry=REGISTRY)
+
+
+def _gauge(name: str, documentation: str, *labels: str) -> Gauge:
+    return Gauge(name, documentation, labels, registry=REGISTRY)
+
+
+def _histogram(name: str, documentation: str, buckets: Sequence[float], *labels: str) -> Histogram:
+    return Histogram(name, documentation, labels, buckets=buckets, registry=REGISTRY)
+
+
+WRITE_DECISIONS = _counter(
+    "memories_write_decisions", "Writes decided by the writer", "action", "source_type"
 )
-WRITE_FAILURES = Counter(
-    "memories_write_failures", "Write attempts stored as failed, by error code", ["code"], registry=REGISTRY
-)
-WRITE_LATENCY = Histogram(
+WRITE_FAILURES = _counter("memories_write_failures", "Write attempts stored as failed, by error code", "code")
+WRITE_LATENCY = _histogram(
     "memories_write_latency_seconds",
     "From the API building the write event to the writer's committed decision (redeliveries included)",
-    ["source_type"],
-    buckets=_WRITE_BUCKETS,
-    registry=REGISTRY,
+    _WRITE_BUCKETS,
+    "source_type",
 )
-EMBEDDING_SECONDS = Histogram(
-    "memories_embedding_seconds",
-    "Embedding calls",
-    ["model", "purpose"],
-    buckets=_MODEL_BUCKETS,
-    registry=REGISTRY,
+EMBEDDING_SECONDS = _histogram(
+    "memories_embedding_seconds", "Embedding calls", _MODEL_BUCKETS, "model", "purpose"
 )
-EMBEDDING_ERRORS = Counter(
-    "memories_embedding_errors", "Failed embedding calls", ["model", "purpose"], registry=REGISTRY
+EMBEDDING_ERRORS = _counter("memories_embedding_errors", "Failed embedding calls", "model", "purpose")
+EMBEDDING_TOKENS = _counter(
+    "memories_embedding_tokens", "Tokens the embedding model reported", "model", "purpose"
 )
-EMBEDDING_TOKENS = Counter(
-    "memories_embedding_tokens",
-    "Tokens the embedding model reported",
-    ["model", "purpose"],
-    registry=REGISTRY,
+LLM_SECONDS = _histogram("memories_llm_seconds", "Generative model calls", _MODEL_BUCKETS, "model", "purpose")
+LLM_ERRORS = _counter("memories_llm_errors", "Failed generative model calls", "model", "purpose")
+LLM_TOKENS = _counter(
+    "memories_llm_tokens", "Tokens the generative model reported", "model", "purpose", "kind"
 )
-LLM_SECONDS = Histogram(
-    "memories_llm_seconds",
-    "Generative model calls",
-    ["model", "purpose"],
-    buckets=_MODEL_BUCKETS,
-    registry=REGISTRY,
-)
-LLM_ERRORS = Counter(
-    "memories_llm_errors", "Failed generative model calls", ["model", "purpose"], registry=REGISTRY
-)
-LLM_TOKENS = Counter(
-    "memories_llm_tokens",
-    "Tokens the generative model reported",
-    ["model", "purpose", "kind"],
-    registry=REGISTRY,
-)
-EXTRACTIONS = Counter(
-    "memories_extractions",
-    "Generation turns handled by the extractor, by outcome",
-    ["outcome"],
-    registry=REGISTRY,
-)
-EXTRACTION_SKIPS = Counter(
-    "memories_extraction_skips",
-    "Extraction candidates or turns skipped, by reason",
-    ["reason"],
-    registry=REGISTRY,
-)
-DEAD_LETTERS = Counter(
-    "memories_dead_letters",
-    "Messages this process sent to DEAD_LETTERS, by origin",
-    ["origin"],
-    registry=REGISTRY,
-)
-CONSUMER_PENDING = Gauge(
+EXTRACTIONS = _counter("memories_extractions", "Generation turns handled by the extractor", "outcome")
+EXTRACTION_SKIPS = _counter("memories_extraction_skips", "Extraction candidates or turns skipped", "reason")
+DEAD_LETTERS = _counter("memories_dead_letters", "Messages this process sent to DEAD_LETTERS", "origin")
+CONSUMER_PENDING = _gauge(
     "memories_consumer_pending",
-    "Messages of the stream not yet delivered to the durable consumer (its lag)",
-    ["stream", "consumer"],
-    registry=REGISTRY,
+    "Messages not yet delivered to the durable consumer (its lag)",
+    "stream",
+    "consumer",
 )
-CONSUMER_ACK_PENDING = Gauge(
+CONSUMER_ACK_PENDING = _gauge(
     "memories_consumer_ack_pending",
-    "Messages delivered to the consumer and not acknowledged yet",
-    ["stream", "consumer"],
-    registry=REGISTRY,
+    "Messages delivered to the consumer, not acknowledged yet",
+    "stream",
+    "consumer",
 )
-CONSUMER_REDELIVERIES = Gauge(
+CONSUMER_REDELIVERIES = _gauge(
     "memories_consumer_redeliveries",
     "Unacknowledged messages of the consumer that were delivered more than once",
-    ["stream", "consumer"],
-    registry=REGISTRY,
+    "stream",
+    "consumer",
 )
-STREAM_MESSAGES = Gauge(
-    "memories_stream_messages",
-    "Messages stored in the stream (DEAD_LETTERS: its backlog)",
-    ["stream"],
-    registry=REGISTRY,
+STREAM_MESSAGES = _gauge(
+    "memories_stream_messages", "Messages stored in the stream (DEAD_LETTERS: its backlog)", "stream"
 )
-LAG_POLL_ERRORS = Counter(
-    "memories_lag_poll_errors", "Lag polls that could not read JetStream", registry=REGISTRY
-)
+LAG_POLL_ERRORS = _counter("memories_lag_poll_errors", "Lag polls that could not read JetStream")
 
 # Series of known label values exist from the start, so rate() and alerts see a 0 rather than nothing.
 for _action in WriteAction:
@@ -296,6 +265,17 @@ def writer_consumers(settings: Settings, partitions: Sequence[int] | None = None
     """The writer partition consumers: all of them, or those one writer replica is bound to."""
     chosen = range(settings.memories_partitions) if partitions is None else partitions
     return [(bus.WRITES_STREAM, bus.writer_durable(p)) for p in chosen]
+
+
+def queue_consumers(settings: Settings) -> list[ConsumerRef]:
+    """Every other durable consumer of the layout: those shared by all replicas of a service (extractor, …)."""
+    partition_consumers = set(writer_consumers(settings))
+    return [
+        (stream, config.durable_name or "")
+        for stream, configs in bus.layout(settings).consumers.items()
+        for config in configs
+        if (stream, config.durable_name) not in partition_consumers
+    ]
 
 
 def _forget(gauges: Iterable[Gauge], *labels: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import string
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -10,9 +12,10 @@ from sqlalchemy import Select, and_, delete, func, literal_column, or_, select, 
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from shared.db.models import EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
+from shared import iam
+from shared.db.models import ApiKey, EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
 from shared.decision import Candidate
-from shared.ids import ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
+from shared.ids import API_KEY_PREFIX, ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
 
 STALE_PENDING = timedelta(seconds=30)
 """A pending write this old has lost its caller; a retry with its key may publish it again."""
@@ -286,14 +289,6 @@ async def clear_provenance(
 
 
 # API keys ---------------------------------------------------------------------------------------
-# Imported here rather than at the top so this section could be appended without touching the lines above.
-
-import secrets
-import string
-
-from shared import iam
-from shared.db.models import ApiKey
-from shared.ids import API_KEY_PREFIX
 
 _SECRET_ALPHABET = string.ascii_letters + string.digits
 _SECRET_CHARS = 40

@@ -7,6 +7,7 @@ Every call is recorded, so a test can assert what the service asked and how ofte
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,3 +87,12 @@ def scripted_llm() -> ScriptedLLM:
         others = [entry for entry in current if entry.get("provider") != PROVIDER]
         litellm.custom_provider_map = [*others, {"provider": PROVIDER, "custom_handler": _instance}]
     return _instance
+
+
+def install_scripts(spec: str) -> ScriptedLLM:
+    """Program the provider from JSON (`MEMORIES_SCRIPTED_LLM`), for service processes under test."""
+    provider = scripted_llm()
+    for name, script in json.loads(spec).items():
+        provider.script(name, str(script["reply"]))
+        provider.latency_s = float(script.get("latency_s", provider.latency_s))
+    return provider

@@ -4,10 +4,12 @@ Which entries: those of the memories named by id, all entries of the memories wh
 and the entries whose own tags match a glob; only in the caller's project, never an invalidated one.
 
 How they are ranked. An HNSW index answers "the nearest k" quickly but knows nothing of filters: on a
-filter that keeps few rows, a plain index scan stops with fewer than k of them. So a small filtered set
-(at most `exact_scan_max` rows, counted with a capped query) is ranked exactly, by computing every distance;
-a larger one goes through the index with pgvector's iterative scan, which keeps walking the graph until k
-rows pass the filter, and falls back to the exact ranking if the walk still comes back short.
+filter that keeps few rows, a plain index scan stops with fewer than k of them, and an iterative one walks
+much of the graph to find them. So a filtered set that the planner estimates at most `exact_scan_max`
+rows is ranked exactly, every distance computed; a larger one goes through the index with pgvector's
+iterative scan, which keeps walking the graph until k rows pass the filter. Whenever a guess is wrong (a
+stale estimate, a walk that gives up), the exact ranking answers instead: a wrong guess costs time, never
+results.
 """
 
 from __future__ import annotations
@@ -18,8 +20,21 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, false, func, literal_column, or_, select, text
+from sqlalchemy import (
+    ClauseElement,
+    ColumnElement,
+    Executable,
+    Select,
+    and_,
+    false,
+    func,
+    literal_column,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.compiler import compiles
 
 from shared.db.models import Memory, MemoryEntry
 from shared.embeddings import embed_texts
@@ -84,8 +99,8 @@ class SearchPath(StrEnum):
 class KnowledgeResults:
     hits: list[KnowledgeHit]
     path: SearchPath
-    candidates: int | None = field(default=None)
-    """The filtered set's size, counted up to exact_scan_max + 1 (None when not counted)."""
+    estimate: float | None = field(default=None)
+    """The planner's estimate of the filtered set's size (None when not needed)."""
 
 
 async def search_knowledge(
@@ -94,7 +109,7 @@ async def search_knowledge(
     project_id: str,
     query: str | None,
     filters: KnowledgeFilter,
-    limit: int = DEFAULT_LIMIT,
+    limit: int | None = DEFAULT_LIMIT,
     min_score: float | None = None,
     embedding_model: str,
     dimensions: int | None,
@@ -114,34 +129,38 @@ async def search_by_vector(
     project_id: str,
     vector: Sequence[float] | None,
     filters: KnowledgeFilter,
-    limit: int = DEFAULT_LIMIT,
+    limit: int | None = DEFAULT_LIMIT,
     min_score: float | None = None,
     exact_scan_max: int = EXACT_SCAN_MAX,
 ) -> KnowledgeResults:
-    """The search itself, on a vector already embedded. Reads only; never commits. The HNSW settings are
-    SET LOCAL, so they end with the caller's transaction."""
-    limit = clamp_limit(limit)
+    """The search itself, on a vector already embedded. Reads only and never commits; the index settings
+    live in a savepoint that is rolled back, so the caller's transaction is left as it was."""
+    wanted = clamp_limit(limit)
     condition = await entry_condition(session, project_id, filters)
     if condition is None:
         return KnowledgeResults([], SearchPath.NOTHING)
     if vector is None:
-        listed = select(MemoryEntry.id.label("entry_id"), literal_column("NULL::float8").label("distance"))
-        listed = listed.where(condition).order_by(MemoryEntry.created_at, MemoryEntry.id).limit(limit)
-        return KnowledgeResults(await _details(session, listed, by_distance=False), SearchPath.LISTED)
+        listed = select(MemoryEntry.id).where(condition)
+        listed = listed.order_by(MemoryEntry.created_at, MemoryEntry.id).limit(wanted)
+        oldest = [(entry_id, None) for entry_id in (await session.scalars(listed)).all()]
+        return KnowledgeResults(await _details(session, oldest), SearchPath.LISTED)
 
-    candidates = await _count_up_to(session, condition, exact_scan_max)
-    if candidates <= exact_scan_max:
-        rows = await _details(session, exact_statement(condition, vector, limit), by_distance=True)
-        return KnowledgeResults(_above(rows, min_score), SearchPath.EXACT, candidates)
-    await _tune_index_scan(session, limit)
-    rows = await _details(session, index_statement(condition, vector, limit), by_distance=True)
-    path = SearchPath.INDEX
-    if len(rows) < limit:
-        # The set holds more than exact_scan_max >= limit rows, so a short walk missed some: the
-        # iterative scan gave up (hnsw.max_scan_tuples) before enough rows passed the filter.
-        rows = await _details(session, exact_statement(condition, vector, limit), by_distance=True)
-        path = SearchPath.INDEX_THEN_EXACT
-    return KnowledgeResults(_above(rows, min_score), path, candidates)
+    estimate = await estimate_rows(session, condition)
+    if estimate <= exact_scan_max:
+        # Bounded, in case the statistics are stale and the set is far larger than estimated.
+        bound = max(4 * exact_scan_max, MAX_LIMIT)
+        ranked = await _ranked_exactly(session, condition, vector, wanted, bound)
+        if ranked is not None:
+            return KnowledgeResults(_above(ranked, min_score), SearchPath.EXACT, estimate)
+    ranked_ids = await _ranked_by_index(session, condition, vector, wanted)
+    if len(ranked_ids) < wanted:
+        # Either the set is smaller than the estimate said, or the walk gave up (hnsw.max_scan_tuples)
+        # before enough rows passed the filter: the exact ranking is right in both cases.
+        ranked = await _ranked_exactly(session, condition, vector, wanted, None)
+        assert ranked is not None  # unbounded
+        return KnowledgeResults(_above(ranked, min_score), SearchPath.INDEX_THEN_EXACT, estimate)
+    hits = await _details(session, ranked_ids)
+    return KnowledgeResults(_above(hits, min_score), SearchPath.INDEX, estimate)
 
 
 async def entry_condition(
@@ -187,24 +206,60 @@ def _own_tags_match(patterns: Sequence[str]) -> ColumnElement[bool]:
     return and_(prefilter, tags_match_any(MemoryEntry.tags, patterns))
 
 
-async def _count_up_to(session: AsyncSession, condition: ColumnElement[bool], cap: int) -> int:
-    capped = select(literal_column("1")).select_from(MemoryEntry).where(condition).limit(cap + 1).subquery()
-    return int(await session.scalar(select(func.count()).select_from(capped)) or 0)
+class _Explain(Executable, ClauseElement):
+    """EXPLAIN (FORMAT JSON) of a statement, its parameters bound as when it runs."""
+
+    inherit_cache = False
+
+    def __init__(self, statement: Select[Any]) -> None:
+        self.statement = statement
 
 
-def exact_statement(condition: ColumnElement[bool], vector: Sequence[float], limit: int) -> Select[Any]:
-    """Every distance of the filtered set, then the nearest `limit`. MATERIALIZED keeps the planner from
-    answering the ORDER BY with the HNSW index, which would bring back the approximation."""
+@compiles(_Explain, "postgresql")
+def _compile_explain(element: _Explain, compiler: Any, **kw: Any) -> str:
+    return "EXPLAIN (FORMAT JSON) " + str(compiler.process(element.statement, **kw))
+
+
+async def estimate_rows(session: AsyncSession, condition: ColumnElement[bool]) -> float:
+    """The planner's estimate of the filtered set's size: planning only, a fraction of a millisecond,
+    where counting a large set would read it. Tag globs are estimated from the extended statistics of
+    migration 0002; a wrong estimate costs time, never results."""
+    plan = await session.scalar(_Explain(select(literal_column("1")).select_from(MemoryEntry).where(condition)))
+    return float(plan[0]["Plan"]["Plan Rows"])
+
+
+def exact_statement(
+    condition: ColumnElement[bool], vector: Sequence[float], limit: int, bound: int | None
+) -> Select[Any]:
+    """Every distance of the filtered set (of at most bound + 1 of its rows), then the nearest `limit`,
+    with how many rows were scored. MATERIALIZED keeps the planner from answering the ORDER BY with the
+    HNSW index, which would bring back the approximation."""
     distance = MemoryEntry.embedding.cosine_distance(vector)
     scored = select(MemoryEntry.id.label("entry_id"), distance.label("distance")).where(condition)
+    if bound is not None:
+        scored = scored.limit(bound + 1)
     scored_cte = scored.cte("scored").prefix_with("MATERIALIZED")
-    return select(scored_cte).order_by(scored_cte.c.distance, scored_cte.c.entry_id).limit(limit)
+    seen = select(func.count()).select_from(scored_cte).scalar_subquery()
+    return (
+        select(scored_cte.c.entry_id, scored_cte.c.distance, seen.label("seen"))
+        .order_by(scored_cte.c.distance, scored_cte.c.entry_id)
+        .limit(limit)
+    )
+
+
+async def _ranked_exactly(
+    session: AsyncSession, condition: ColumnElement[bool], vector: Sequence[float], limit: int, bound: int | None
+) -> list[KnowledgeHit] | None:
+    """The exact top `limit`; None when the set has more than `bound` rows."""
+    rows = (await session.execute(exact_statement(condition, vector, limit, bound))).all()
+    if bound is not None and rows and rows[0].seen > bound:
+        return None
+    return await _details(session, [(row.entry_id, row.distance) for row in rows])
 
 
 def index_statement(condition: ColumnElement[bool], vector: Sequence[float], limit: int) -> Select[Any]:
     """The nearest `limit` through the HNSW index. ORDER BY the bare distance expression is what lets the
-    planner use the index; the partial index also needs `invalidated_at IS NULL`, which the condition has.
-    The relaxed iterative scan returns rows slightly out of order, so the caller sorts them again."""
+    planner use the index; the partial index also needs `invalidated_at IS NULL`, which the condition has."""
     distance = MemoryEntry.embedding.cosine_distance(vector)
     return (
         select(MemoryEntry.id.label("entry_id"), distance.label("distance"))
@@ -214,20 +269,34 @@ def index_statement(condition: ColumnElement[bool], vector: Sequence[float], lim
     )
 
 
-async def _tune_index_scan(session: AsyncSession, limit: int) -> None:
-    await session.execute(
-        text(
-            "SELECT set_config('hnsw.ef_search', :ef, true), "
-            "set_config('hnsw.iterative_scan', 'relaxed_order', true)"
-        ),
-        {"ef": str(ef_search_for(limit))},
-    )
+async def _ranked_by_index(
+    session: AsyncSession, condition: ColumnElement[bool], vector: Sequence[float], limit: int
+) -> list[tuple[str, float]]:
+    """(entry id, distance) pairs, nearest first, from an iterative HNSW scan.
+
+    enable_sort = off leaves the ordered index scan as the only plan without a sort: the planner would
+    otherwise sort a bitmap scan of a large set, which is the exact ranking at its slowest. The relaxed
+    iterative scan returns rows slightly out of order, hence the sort here."""
+    savepoint = await session.begin_nested()
+    try:
+        await session.execute(
+            text(
+                "SELECT set_config('hnsw.ef_search', :ef, true), "
+                "set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+                "set_config('enable_sort', 'off', true)"
+            ),
+            {"ef": str(ef_search_for(limit))},
+        )
+        rows = (await session.execute(index_statement(condition, vector, limit))).all()
+    finally:
+        await savepoint.rollback()
+    return sorted(((row.entry_id, float(row.distance)) for row in rows), key=lambda pair: (pair[1], pair[0]))
 
 
-async def _details(session: AsyncSession, ranked: Select[Any], *, by_distance: bool) -> list[KnowledgeHit]:
-    """The rows of a ranked (entry_id, distance) statement with what a result shows."""
-    found = ranked.cte("found").prefix_with("MATERIALIZED")
-    order = (found.c.distance, MemoryEntry.id) if by_distance else (MemoryEntry.created_at, MemoryEntry.id)
+async def _details(session: AsyncSession, ranked: Sequence[tuple[str, float | None]]) -> list[KnowledgeHit]:
+    """What a result shows, for ranked (entry id, distance) pairs, in their order."""
+    if not ranked:
+        return []
     query = (
         select(
             MemoryEntry.id,
@@ -237,24 +306,24 @@ async def _details(session: AsyncSession, ranked: Select[Any], *, by_distance: b
             MemoryEntry.tags,
             MemoryEntry.created_at,
             MemoryEntry.updated_at,
-            found.c.distance,
         )
-        .join(found, found.c.entry_id == MemoryEntry.id)
         .join(Memory, Memory.id == MemoryEntry.memory_id)
-        .order_by(*order)
+        .where(MemoryEntry.id.in_([entry_id for entry_id, _ in ranked]))
     )
+    rows = {row.id: row for row in (await session.execute(query)).all()}
     return [
         KnowledgeHit(
-            entry_id=row.id,
-            memory_id=row.memory_id,
-            memory_name=row.name,
-            content=row.content,
-            tags=row.tags,
-            created_at=row.created_at,
-            updated_at=row.updated_at,
-            score=None if row.distance is None else 1.0 - float(row.distance),
+            entry_id=entry_id,
+            memory_id=rows[entry_id].memory_id,
+            memory_name=rows[entry_id].name,
+            content=rows[entry_id].content,
+            tags=rows[entry_id].tags,
+            created_at=rows[entry_id].created_at,
+            updated_at=rows[entry_id].updated_at,
+            score=None if distance is None else 1.0 - float(distance),
         )
-        for row in (await session.execute(query)).all()
+        for entry_id, distance in ranked
+        if entry_id in rows  # deleted between the two reads of a READ COMMITTED transaction
     ]
 
 

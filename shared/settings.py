@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     memories_duplicate_window_s: float = Field(default=120.0, gt=0)
     memories_ack_wait_s: float = Field(default=30.0, gt=0)
     memories_max_deliver: int = Field(default=5, ge=1)
+    memories_retry_backoff_s: float = Field(default=1.0, gt=0, description="first redelivery delay; doubles")
 
     # Models. The embedding dimension is fixed by the first migration.
     embedding_model: str = "local/all-minilm-l6-v2-int8"
@@ -37,6 +38,11 @@ class Settings(BaseSettings):
         default=None, description="litellm model for merges when the agent context names none"
     )
     memories_llm_timeout_s: float = Field(default=30.0, gt=0)
+    memories_scripted_llm: str | None = Field(
+        default=None,
+        description='tests and benchmarks only: JSON {"name": {"reply": "...", "latency_s": 0.2}} served as '
+        "scripted/<name> by a deterministic in-process provider, never the network",
+    )
 
     # Metrics port of the writer and extractor processes (0 = off).
     memories_metrics_port: int = Field(default=0, ge=0, le=65535)

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from shared import registry
 from shared import repository as repo
 from shared.db.models import EntryHistory, Memory, MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
@@ -150,6 +151,9 @@ class WriteApplier:
         await repo.save_write_outcome(session, outcome)
         model_steps = arbitration if decision.rule.startswith("arbitrated") else merge
         await repo.add_history(session, _history(event, decision, entry, nearest, model_steps))
+        for steps in {id(s): s for s in (merge, arbitration) if s}.values():
+            for purpose, completion in steps.completions:
+                await registry.add_usage(session, event.project_id, steps.agent.ai_provider_id, completion, purpose)
         superseded = decision.target.entry_id if decision.action is WriteAction.SUPERSEDED and decision.target else None
         return AppliedWrite(outcome_of(outcome), change, superseded)
 

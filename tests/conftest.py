@@ -17,6 +17,7 @@ import pytest_asyncio
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.main import create_app
+from services.extractor.main import ExtractorService
 from services.writer.main import Writer
 from shared.db.migrate import upgrade
 from shared.db.session import create_engine, session_factory
@@ -59,6 +60,8 @@ def make_settings(server_urls: tuple[str, str], **overrides: Any) -> Settings:
         "memories_partitions": PARTITIONS,
         "memories_ack_wait_s": 5.0,
         "memories_write_timeout_s": 15.0,
+        "memories_max_deliver": 3,
+        "memories_retry_backoff_s": 0.05,
     }
     values.update(overrides)
     return Settings(**values)
@@ -86,6 +89,17 @@ async def writers(settings: Settings) -> AsyncIterator[list[Writer]]:
     yield replicas
     for writer in replicas:
         await writer.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def extractors(settings: Settings, writers: list[Writer]) -> AsyncIterator[list[ExtractorService]]:
+    """Two extractor replicas sharing the one durable consumer."""
+    replicas = [ExtractorService(settings, concurrency=4), ExtractorService(settings, concurrency=4)]
+    for replica in replicas:
+        await replica.start()
+    yield replicas
+    for replica in replicas:
+        await replica.stop()
 
 
 async def open_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:

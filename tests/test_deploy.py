@@ -16,7 +16,7 @@ from typing import Any
 
 import nats
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]
 from nats.js.api import RetentionPolicy
 
 from services.cli import _parse_partitions, build_parser
@@ -366,7 +366,7 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
     nc = await nats.connect(nats_cluster.split(","))
     try:
         js = nc.jetstream()
-        for stream in (bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.DEAD_LETTER_STREAM):
+        for stream in [config.name or "" for config in bus.layout(Settings()).streams]:
             info = await js.stream_info(stream)
             assert info.config.num_replicas == 3
             assert info.cluster is not None and len(info.cluster.replicas or []) == 2  # leader + 2 followers

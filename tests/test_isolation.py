@@ -33,7 +33,8 @@ async def create_key(client: httpx.AsyncClient, project_id: str, actions: list[s
         "/api-keys", json={"project_id": project_id, "name": "test key", "actions": actions}
     )
     assert response.status_code == 201, response.text
-    return response.json()
+    created: dict[str, Any] = response.json()
+    return created
 
 
 @dataclass(frozen=True)

@@ -182,9 +182,7 @@ async def test_track_llm_counts_provider_errors_but_not_cancellation() -> None:
     assert count("memories_llm_seconds_count", model=model, purpose="arbitration") == 2
 
 
-async def test_lag_poller_sets_a_gauge_per_writer_partition_consumer(
-    nc: NatsClient, settings: Settings
-) -> None:
+async def test_lag_poller_sets_a_gauge_per_consumer_of_the_layout(nc: NatsClient, settings: Settings) -> None:
     js = nc.jetstream()
     await bus.ensure_layout(js, settings)
     await metrics.poll_consumer_lag(js, metrics.writer_consumers(settings))
@@ -198,6 +196,13 @@ async def test_lag_poller_sets_a_gauge_per_writer_partition_consumer(
         assert (
             sample("memories_consumer_redeliveries", stream=bus.WRITES_STREAM, consumer=consumer) is not None
         )
+    queues = metrics.queue_consumers(settings)
+    assert (bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE) in queues
+    assert not any(consumer.startswith("writer-p") for _, consumer in queues)
+    await metrics.poll_consumer_lag(js, queues)
+    for stream, consumer in queues:
+        info = await js.consumer_info(stream, consumer)
+        assert sample("memories_consumer_pending", stream=stream, consumer=consumer) == info.num_pending
     dead = await js.stream_info(bus.DEAD_LETTER_STREAM)
     assert sample("memories_stream_messages", stream=bus.DEAD_LETTER_STREAM) == dead.state.messages
 

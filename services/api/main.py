@@ -9,7 +9,19 @@ from fastapi import APIRouter, FastAPI
 
 from services.api import errors
 from services.api.limits import BodySizeLimit
-from services.api.routes import agents, api_keys, entries, health, memories, metrics, projects, writes
+from services.api.routes import (
+    agents,
+    api_keys,
+    entries,
+    generations,
+    health,
+    knowledge,
+    memories,
+    metrics,
+    projects,
+    providers,
+    writes,
+)
 from shared import bus
 from shared.db.session import create_engine, session_factory
 from shared.settings import Settings
@@ -49,7 +61,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     api = APIRouter(prefix=API_PREFIX)
-    for module in (projects, api_keys, memories, entries, writes, agents):
+    for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, providers):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(health.router)

@@ -49,11 +49,11 @@ def minilm_embedder() -> BenchEmbedder:
 
 def hashed_embedder() -> BenchEmbedder:
     """The stand-in, registered with litellm as `bench/…` so the API embeds queries with it too."""
-    from shared.embeddings import register_local_provider
-    from shared.embeddings._provider import litellm  # first: it keeps litellm from fetching a cost map
-
     from litellm.llms.custom_llm import CustomLLM
     from litellm.types.utils import EmbeddingResponse
+
+    from shared.embeddings import register_local_provider
+    from shared.embeddings._provider import litellm  # first: it keeps litellm from fetching a cost map
 
     stand_in = HashedEmbedder()
 

@@ -6,7 +6,6 @@ any other failure (database or bus down) is retried with backoff and dead-letter
 
 from __future__ import annotations
 
-import json
 import logging
 
 from faststream.nats.message import NatsMessage
@@ -28,6 +27,7 @@ class WriteHandler:
         self._nc = nc
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
+        self._backoff = settings.memories_retry_backoff_s
 
     async def handle(self, message: NatsMessage) -> None:
         raw = message.raw_message
@@ -55,7 +55,7 @@ class WriteHandler:
                 await self.dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
                 await message.ack()
             else:
-                await message.nack(delay=min(0.2 * 2**delivered, 5.0))
+                await message.nack(delay=min(self._backoff * 2**delivered, 30.0))
             return
 
         await message.ack()
@@ -95,8 +95,4 @@ class WriteHandler:
                 log.exception("could not publish change event", extra={"write_id": event.write_id})
 
     async def dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
-        log.error("dead-lettering message from %s: %s", subject, reason)
-        envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
-        await self._js.publish(
-            bus.dead_letter_subject("writer"), json.dumps(envelope).encode(), stream=bus.DEAD_LETTER_STREAM
-        )
+        await bus.dead_letter(self._js, "writer", subject, body, reason=reason)

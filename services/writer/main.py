@@ -76,6 +76,10 @@ class Writer:
             await self._provenance.handle(message)
 
     async def start(self) -> None:
+        if self.settings.memories_scripted_llm:
+            from shared.scripted_llm import install_scripts  # tests and benchmarks only
+
+            install_scripts(self.settings.memories_scripted_llm)
         self._nc = await bus.connect(self.settings.nats_url or "", name="memories-writer")
         await bus.ensure_layout(self._nc.jetstream(), self.settings)
         model = self.settings.embedding_model

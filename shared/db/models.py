@@ -121,3 +121,75 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _created()
+
+
+class AiProvider(Base):
+    """A project's LLM provider: a litellm prefix, an optional base URL and the NAME of the env variable
+    holding its key (never the key)."""
+
+    __tablename__ = "ai_providers"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    provider: Mapped[str] = mapped_column(String(64))
+    api_base: Mapped[str | None] = mapped_column(Text)
+    api_key_env: Mapped[str | None] = mapped_column(String(255))
+    default_model: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class ModelRoute(Base):
+    """Ordered targets (provider + model) tried in turn: failover."""
+
+    __tablename__ = "model_routes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    targets: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class ProjectSettings(Base):
+    __tablename__ = "project_settings"
+
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    default_model_route_id: Mapped[str | None] = mapped_column(ForeignKey("model_routes.id", ondelete="SET NULL"))
+    updated_at: Mapped[datetime] = _created()
+
+
+class GenerationExtraction(Base):
+    """The extraction outcome of one generation: pending → completed | skipped | failed."""
+
+    __tablename__ = "generation_extractions"
+
+    project_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    generation_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    candidates: Mapped[int] = mapped_column(Integer, server_default="0")
+    created: Mapped[int] = mapped_column(Integer, server_default="0")
+    updated: Mapped[int] = mapped_column(Integer, server_default="0")
+    skipped: Mapped[int] = mapped_column(Integer, server_default="0")
+    failed: Mapped[int] = mapped_column(Integer, server_default="0")
+    model: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _created()
+
+
+class LlmUsage(Base):
+    """Tokens of every completion (extraction, merge, arbitration), for metering per project and provider."""
+
+    __tablename__ = "llm_usage"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(32))
+    ai_provider_id: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _created()

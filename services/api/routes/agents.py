@@ -14,9 +14,10 @@ from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import load_memory
 from services.api.schemas import Content, Metadata, Strict, Timestamp
 from shared import repository as repo
-from shared.agents import WRITE_MEMORY_TOOL, AgentSpec, call_write_memory, orchestration_event
+from shared.agents import AgentSpec, orchestration_event
 from shared.events import CONTENT_MAX_CHARS, TAGS_MAX_COUNT, SourceType
 from shared.ids import MEMORY_PREFIX, is_valid_id
+from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
 
 router = APIRouter(tags=["agents"])
 

@@ -1,0 +1,96 @@
+"""Completed generations for platforms that only speak HTTP, and the extraction outcome of each."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, status
+from fastapi.responses import JSONResponse
+from nats.errors import Error as NatsError
+from pydantic import BaseModel, Field
+
+from services.api.deps import PrincipalDep, SessionDep, require, resolve_project
+from services.api.errors import ApiError, not_found
+from services.api.schemas import Strict, Timestamp
+from shared import bus, registry
+from shared.events import ChatMessage, ExtractionSummary, GenerationAgent, GenerationCompleted
+from shared.ids import new_id
+
+router = APIRouter(prefix="/generations", tags=["extraction"])
+
+
+class CompletedTurn(Strict):
+    project_id: str | None = None
+    generation_id: str = Field(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$")
+    conversation_id: str | None = Field(default=None, max_length=255)
+    agent: GenerationAgent
+    extract: bool | None = None
+    streamed: bool = False
+    status: str = Field(default="completed", max_length=64)
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
+    output: str | None = Field(default=None, max_length=100_000)
+
+
+class ExtractionStatus(BaseModel):
+    generation_id: str
+    status: str = Field(description="pending, completed, skipped or failed")
+    reason: str | None
+    summary: ExtractionSummary
+    model: str | None
+    updated_at: Timestamp
+
+
+@router.post(
+    "/completed",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Publish generation.completed for extraction (the same event a platform on the bus publishes)",
+    dependencies=[require("memories:CreateMemoryEntry")],
+)
+async def generation_completed(
+    body: CompletedTurn, request: Request, session: SessionDep, principal: PrincipalDep
+) -> JSONResponse:
+    project_id = await resolve_project(session, principal, body.project_id)
+    event = GenerationCompleted(
+        event_id=new_id("evt_"), project_id=project_id, **body.model_dump(exclude={"project_id"})
+    )
+    await registry.mark_extraction_pending(session, project_id, event.generation_id)
+    await session.commit()
+    try:
+        await request.app.state.nats.jetstream().publish(
+            bus.generation_completed_subject(project_id),
+            event.model_dump_json().encode(),
+            stream=bus.GENERATIONS_STREAM,
+            # One turn is extracted once, however often the platform reports it.
+            headers={"Nats-Msg-Id": f"generation:{project_id}:{event.generation_id}"},
+            timeout=5.0,
+        )
+    except (NatsError, TimeoutError) as exc:
+        raise ApiError(503, f"the message bus is unavailable; retry ({exc})") from exc
+    return JSONResponse({"generation_id": event.generation_id, "status": "pending"}, status_code=202)
+
+
+@router.get(
+    "/{generation_id}/extraction",
+    summary="The extraction outcome of a generation: {candidates, created, updated, skipped, failed}",
+    dependencies=[require("memories:ListMemoryEntries")],
+)
+async def extraction_status(
+    generation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+) -> ExtractionStatus:
+    project = await resolve_project(session, principal, project_id)
+    record = await registry.get_extraction(session, project, generation_id)
+    if record is None:
+        raise not_found("generation", generation_id)
+    summary = ExtractionSummary(
+        candidates=record.candidates,
+        created=record.created,
+        updated=record.updated,
+        skipped=record.skipped,
+        failed=record.failed,
+    )
+    return ExtractionStatus(
+        generation_id=generation_id,
+        status=record.status,
+        reason=record.reason,
+        summary=summary,
+        model=record.model,
+        updated_at=record.updated_at,
+    )

@@ -1,0 +1,85 @@
+"""Knowledge search and the reference-context block an agent platform injects before a model turn."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from services.api.deps import PrincipalDep, SessionDep, SettingsDep, require, resolve_project
+from services.api.errors import ApiError
+from services.api.knowledge_schemas import (
+    KnowledgeContextRequest,
+    KnowledgeContextResponse,
+    KnowledgeResult,
+    KnowledgeSearch,
+    KnowledgeSearchResponse,
+)
+from shared.context import reference_context
+from shared.embeddings import EmbeddingError
+from shared.search import KnowledgeFilter, search_knowledge
+
+router = APIRouter(prefix="/knowledge", tags=["knowledge"])
+
+
+def _nothing_to_search() -> ApiError:
+    return ApiError(
+        400,
+        "give a query, memory_ids or memory_tags",
+        meta={"missing_fields": ["query", "memory_ids", "memory_tags"]},
+    )
+
+
+@router.post(
+    "/search",
+    summary="Search entries by similarity, or list them by age without a query",
+    response_model=KnowledgeSearchResponse,
+    dependencies=[require("knowledge:SearchKnowledge")],
+)
+async def search(
+    body: KnowledgeSearch, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
+) -> JSONResponse:
+    project_id = await resolve_project(session, principal, body.project_id)
+    filters = KnowledgeFilter(memory_ids=tuple(body.memory_ids), tag_patterns=tuple(body.memory_tags))
+    if not (body.query and body.query.strip()) and not filters.given:
+        raise _nothing_to_search()
+    try:
+        found = await search_knowledge(
+            session,
+            project_id=project_id,
+            query=body.query,
+            filters=filters,
+            limit=body.limit,
+            min_score=body.min_score,
+            embedding_model=settings.embedding_model,
+            dimensions=settings.embedding_dimensions,
+        )
+    except EmbeddingError as exc:
+        raise ApiError(503, str(exc)) from exc
+    return JSONResponse({"results": [KnowledgeResult.json_of(hit) for hit in found.hits]})
+
+
+@router.post(
+    "/context",
+    summary="The reference-context message for an agent's knowledge_config and the last user message",
+    response_model=KnowledgeContextResponse,
+    dependencies=[require("knowledge:SearchKnowledge")],
+)
+async def context(
+    body: KnowledgeContextRequest, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
+) -> JSONResponse:
+    project_id = await resolve_project(session, principal, body.project_id)
+    if not (body.message and body.message.strip()) and not body.knowledge_config.filters.given:
+        raise _nothing_to_search()
+    try:
+        built = await reference_context(
+            session,
+            project_id=project_id,
+            config=body.knowledge_config,
+            message=body.message,
+            embedding_model=settings.embedding_model,
+            dimensions=settings.embedding_dimensions,
+        )
+    except EmbeddingError as exc:
+        raise ApiError(503, str(exc)) from exc
+    results = [KnowledgeResult.json_of(hit) for hit in built.results.hits]
+    return JSONResponse({"message": built.message, "results": results})

@@ -1,0 +1,130 @@
+"""The model registry: AI providers, model routes and a project's default route (admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Response, status
+from pydantic import BaseModel, Field
+
+from services.api.deps import AdminDep, SessionDep, resolve_project
+from services.api.errors import ApiError, not_found
+from services.api.schemas import Name, Strict, Timestamp
+from shared import registry
+
+router = APIRouter(tags=["model registry"])
+
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+ModelName = Annotated[str, Field(min_length=1, max_length=255)]
+
+
+class ProviderCreate(Strict):
+    project_id: str | None = None
+    name: Name
+    provider: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$", description="litellm prefix, e.g. openai")]
+    api_base: Annotated[str, Field(max_length=2048)] | None = None
+    api_key_env: EnvName | None = Field(default=None, description="NAME of the env variable with the key")
+    default_model: ModelName | None = None
+
+
+class ProviderOut(BaseModel):
+    id: str
+    project_id: str
+    name: str
+    provider: str
+    api_base: str | None
+    api_key_env: str | None
+    default_model: str | None
+    created_at: Timestamp
+
+
+class RouteTarget(Strict):
+    ai_provider_id: str
+    model: ModelName | None = None
+
+
+class RouteCreate(Strict):
+    project_id: str | None = None
+    name: Name
+    targets: Annotated[list[RouteTarget], Field(min_length=1, max_length=10)]
+
+
+class RouteOut(BaseModel):
+    id: str
+    project_id: str
+    name: str
+    targets: list[RouteTarget]
+    created_at: Timestamp
+
+
+class DefaultRoute(Strict):
+    model_route_id: str | None
+
+
+@router.post("/ai-providers", status_code=status.HTTP_201_CREATED, summary="Register an AI provider")
+async def create_provider(body: ProviderCreate, session: SessionDep, admin: AdminDep) -> ProviderOut:
+    project_id = await resolve_project(session, admin, body.project_id)
+    provider = await registry.create_provider(session, project_id, **body.model_dump(exclude={"project_id"}))
+    await session.commit()
+    return ProviderOut.model_validate(provider, from_attributes=True)
+
+
+@router.get("/ai-providers", summary="A project's AI providers")
+async def list_providers(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[ProviderOut]]:
+    project = await resolve_project(session, admin, project_id)
+    rows = await registry.list_providers(session, project)
+    return {"data": [ProviderOut.model_validate(p, from_attributes=True) for p in rows]}
+
+
+@router.delete("/ai-providers/{provider_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a provider")
+async def delete_provider(provider_id: str, session: SessionDep, _admin: AdminDep) -> Response:
+    provider = await registry.get_provider(session, None, provider_id)
+    if provider is None:
+        raise not_found("AI provider", provider_id)
+    await registry.delete_provider(session, provider)
+    await session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/model-routes", status_code=status.HTTP_201_CREATED, summary="A route: ordered failover targets")
+async def create_route(body: RouteCreate, session: SessionDep, admin: AdminDep) -> RouteOut:
+    project_id = await resolve_project(session, admin, body.project_id)
+    for target in body.targets:
+        if await registry.get_provider(session, project_id, target.ai_provider_id) is None:
+            raise ApiError(400, f"target provider {target.ai_provider_id} is not a provider of this project")
+    targets = [t.model_dump() for t in body.targets]
+    route = await registry.create_route(session, project_id, body.name, targets)
+    await session.commit()
+    return RouteOut.model_validate(route, from_attributes=True)
+
+
+@router.get("/model-routes", summary="A project's model routes")
+async def list_routes(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[RouteOut]]:
+    project = await resolve_project(session, admin, project_id)
+    return {"data": [RouteOut.model_validate(r, from_attributes=True) for r in await registry.list_routes(session, project)]}
+
+
+@router.delete("/model-routes/{route_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a route")
+async def delete_route(route_id: str, session: SessionDep, _admin: AdminDep) -> Response:
+    route = await registry.get_route(session, None, route_id)
+    if route is None:
+        raise not_found("model route", route_id)
+    await registry.delete_route(session, route)
+    await session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put("/projects/{project_id}/default-model-route", summary="Set or clear the project's default route")
+async def set_default_route(project_id: str, body: DefaultRoute, session: SessionDep, admin: AdminDep) -> DefaultRoute:
+    project = await resolve_project(session, admin, project_id)
+    if body.model_route_id is not None and await registry.get_route(session, project, body.model_route_id) is None:
+        raise not_found("model route", body.model_route_id)
+    await registry.set_default_route(session, project, body.model_route_id)
+    await session.commit()
+    return body
+
+
+@router.get("/usage", summary="LLM token usage of a project by provider, model and purpose")
+async def usage(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[dict]]:
+    project = await resolve_project(session, admin, project_id)
+    return {"data": await registry.usage_summary(session, project)}

@@ -1,0 +1,247 @@
+"""Automatic extraction: facts from a completed turn, each written through the one write algorithm.
+
+Gating, the prompt and the parser are pure functions. `Extractor.extract` is the unit of work the
+extractor service runs per `generation.completed` event: resolve the model, ask it for facts (failover
+across a route's targets), submit one write per fact with an id derived from (generation, index, content)
+so a redelivered event writes nothing twice, and store the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared import registry
+from shared import repository as repo
+from shared.agents import ExtractionConfig, KnowledgeConfig
+from shared.events import (
+    CONTENT_MAX_CHARS,
+    ExtractionSummary,
+    GenerationCompleted,
+    MemoryWriteRequested,
+    SourceType,
+    WriteAction,
+)
+from shared.ids import WRITE_PREFIX
+from shared.llm import Completion, LlmError, RateLimited, complete
+from shared.providers import ResolutionError, Target, resolve_targets
+from shared.write_gateway import WriteGateway
+
+log = logging.getLogger("memories.extraction")
+
+MAX_CANDIDATES = 20
+EXTRACTION_PROMPT_VERSION = "extract-v1"
+
+DEFAULT_INSTRUCTIONS = (
+    "Read the conversation below and list the discrete facts in it that are worth remembering long-term: "
+    "facts about the user, their preferences, their world, decisions taken and constraints discovered. "
+    "Each fact must be atomic and written as one self-contained sentence that makes sense without the "
+    "conversation. Skip greetings, small talk, thanks, and anything transient."
+)
+CONTRACT_LINE = "Respond with a JSON array of strings and nothing else; [] if there is nothing."
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    run: bool
+    reason: str | None = None  # why not, when run is False
+    config: KnowledgeConfig | None = None
+
+
+def gate(event: GenerationCompleted) -> Gate:
+    """The seed's rules for whether a turn is extracted; every refusal has a reason."""
+    if event.streamed:
+        return Gate(False, "streamed")
+    if event.status != "completed":
+        return Gate(False, f"status_{event.status}")
+    config = KnowledgeConfig.parse(event.agent.knowledge_config)
+    if not config.write_memory_id:
+        return Gate(False, "no_write_memory_id")
+    if event.extract is False:
+        return Gate(False, "turn_opted_out")
+    if event.extract is True:
+        return Gate(True, config=config)
+    extraction = config.extraction
+    enabled = extraction is True or (isinstance(extraction, ExtractionConfig) and extraction.enabled)
+    return Gate(True, config=config) if enabled else Gate(False, "extraction_disabled")
+
+
+def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None) -> list[dict[str, str]]:
+    """A custom prompt replaces the instructions only: the contract line and the transcript always follow."""
+    instructions = (extraction.prompt if extraction and extraction.prompt else None) or DEFAULT_INSTRUCTIONS
+    lines = [f"{m.role}: {m.content}" for m in event.messages if m.content]
+    if event.output and (not event.messages or event.messages[-1].content != event.output):
+        lines.append(f"assistant: {event.output}")
+    transcript = "\n".join(lines)
+    return [{"role": "user", "content": f"{instructions}\n\n{CONTRACT_LINE}\n\nConversation:\n{transcript}"}]
+
+
+def parse_candidates(text: str) -> list[str]:
+    """From the first `[` to the last `]`; strings or `{content}` objects; empties dropped; at most 20."""
+    start, end = text.find("["), text.rfind("]")
+    if start < 0 or end <= start:
+        return []
+    try:
+        items = json.loads(text[start : end + 1])
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    facts = []
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else item
+        if isinstance(content, str) and content.strip():
+            facts.append(content.strip()[:CONTENT_MAX_CHARS])
+    return facts[:MAX_CANDIDATES]
+
+
+def candidate_write_id(project_id: str, generation_id: str, index: int, content: str) -> str:
+    digest = hashlib.sha256(f"{project_id}\x00{generation_id}\x00{index}\x00{content}".encode()).hexdigest()
+    return WRITE_PREFIX + digest[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class ExtractionResult:
+    status: str  # completed | skipped | failed
+    reason: str | None
+    summary: ExtractionSummary
+    model: str | None = None
+
+
+class Extractor:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        gateway: WriteGateway,
+        *,
+        llm_timeout: float,
+        write_timeout: float,
+        service_model: str | None = None,
+        rate_limit_retries: int = 4,
+    ) -> None:
+        self._sessions = sessions
+        self._gateway = gateway
+        self._llm_timeout = llm_timeout
+        self._write_timeout = write_timeout
+        self._service_model = service_model
+        self._rate_limit_retries = rate_limit_retries
+
+    async def extract(self, event: GenerationCompleted) -> ExtractionResult:
+        """Raises LlmError when every target failed: the caller lets JetStream redeliver (then dead-letters)."""
+        async with self._sessions() as session:
+            done = await registry.get_extraction(session, event.project_id, event.generation_id)
+        if done is not None and done.status in ("completed", "skipped"):
+            # A redelivery after the outcome was stored: asking the model again could word facts differently.
+            summary = ExtractionSummary(
+                candidates=done.candidates, created=done.created, updated=done.updated,
+                skipped=done.skipped, failed=done.failed,
+            )
+            return ExtractionResult(done.status, done.reason, summary, done.model)
+        decision = gate(event)
+        if not decision.run or decision.config is None:
+            return await self._finish(event, ExtractionResult("skipped", decision.reason, ExtractionSummary()))
+        config = decision.config
+        extraction = config.extraction if isinstance(config.extraction, ExtractionConfig) else ExtractionConfig()
+        async with self._sessions() as session:
+            memory = await repo.get_memory(session, event.project_id, config.write_memory_id or "")
+            try:
+                targets = await self._targets(session, event, extraction)
+            except ResolutionError as exc:
+                return await self._finish(event, ExtractionResult("skipped", str(exc), ExtractionSummary()))
+        if memory is None:
+            reason = "write_memory_id names no memory of this project"
+            return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
+
+        target, completion = await self._complete(event, targets, build_prompt(event, extraction))
+        facts = parse_candidates(completion.text)
+        summary = await self._write(event, memory.id, facts, target)
+        return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
+
+    async def _targets(
+        self, session: AsyncSession, event: GenerationCompleted, extraction: ExtractionConfig
+    ) -> list[Target]:
+        providers, routes, default_route = await registry.load_model_registry(session, event.project_id)
+        return resolve_targets(
+            extraction,
+            event.agent,
+            providers=providers,
+            routes=routes,
+            default_route_id=default_route,
+            service_model=self._service_model,
+        )
+
+    async def _complete(
+        self, event: GenerationCompleted, targets: list[Target], prompt: list[dict[str, str]]
+    ) -> tuple[Target, Completion]:
+        """Each target in turn (failover); a rate limit is retried on the same target after a pause (the
+        service keeps telling JetStream the message is in progress meanwhile)."""
+        last_error: LlmError | None = None
+        for target in targets:
+            agent = target.context(event.agent.id)
+            for attempt in range(self._rate_limit_retries + 1):
+                try:
+                    completion = await complete(prompt, agent=agent, timeout=self._llm_timeout, purpose="extraction")
+                except RateLimited as exc:
+                    last_error = exc
+                    await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+                    continue
+                except LlmError as exc:
+                    last_error = exc
+                    break
+                await self._record_usage(event.project_id, target, completion)
+                return target, completion
+        raise last_error or LlmError("no target to try")
+
+    async def _record_usage(self, project_id: str, target: Target, completion: Completion) -> None:
+        async with self._sessions.begin() as session:
+            await registry.add_usage(session, project_id, target.ai_provider_id, completion, "extraction")
+
+    async def _write(
+        self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target
+    ) -> ExtractionSummary:
+        writes = [
+            MemoryWriteRequested(
+                event_id=candidate_write_id(event.project_id, event.generation_id, index, fact),
+                project_id=event.project_id,
+                memory_id=memory_id,
+                content=fact,
+                source_type=SourceType.EXTRACTION,
+                agent=target.context(event.agent.id),
+                source_generation_id=event.generation_id,
+                source_conversation_id=event.conversation_id,
+            )
+            for index, fact in enumerate(facts)
+        ]
+        # One memory, so the writer decides them one at a time anyway; submitting together saves round trips.
+        outcomes = await asyncio.gather(*(self._gateway.submit(w, timeout=self._write_timeout) for w in writes))
+        if any(outcome is None for outcome in outcomes):
+            # Still queued: a redelivery of this turn finds the decided ones by their ids and waits for the rest.
+            raise WritesPending(f"{outcomes.count(None)} of {len(writes)} writes not decided in time")
+        counts = {"created": 0, "updated": 0, "skipped": 0, "failed": 0}
+        for outcome in outcomes:
+            assert outcome is not None
+            if outcome.error is not None or outcome.action is None:
+                counts["failed"] += 1
+            elif outcome.action in (WriteAction.CREATED, WriteAction.SUPERSEDED):
+                counts["created"] += 1
+            else:
+                counts[outcome.action.value] += 1
+        return ExtractionSummary(candidates=len(facts), **counts)
+
+    async def record_failure(self, event: GenerationCompleted, reason: str) -> ExtractionResult:
+        """The last delivery failed too: the outcome says so before the event is dead-lettered."""
+        return await self._finish(event, ExtractionResult("failed", reason, ExtractionSummary()))
+
+    async def _finish(self, event: GenerationCompleted, result: ExtractionResult) -> ExtractionResult:
+        async with self._sessions.begin() as session:
+            await registry.save_extraction(session, event.project_id, event.generation_id, result)
+        return result
+
+
+class WritesPending(Exception):
+    """Some candidate writes were not decided in time; the event is retried."""

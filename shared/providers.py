@@ -1,0 +1,101 @@
+"""Which model serves an agent's extraction: the seed's resolution order, as a pure function.
+
+Provider: `extraction.ai_provider_id` → the agent's pinned provider → the agent's `model_route_id` → the
+project's default route. Model, for the provider cases: `extraction.model` → the override provider's
+`default_model` (when `ai_provider_id` is set) → the agent's `model` → the agent provider's `default_model`.
+A route's targets each name their own model and are tried in order (failover).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.agents import ExtractionConfig
+from shared.events import AgentContext, GenerationAgent
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    id: str
+    provider: str  # litellm prefix: openai, anthropic, ollama, scripted, …
+    api_base: str | None = None
+    api_key_env: str | None = None
+    default_model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One model to try: what litellm is called with, and whom the usage is metered against."""
+
+    model: str
+    ai_provider_id: str | None = None
+    api_base: str | None = None
+    api_key_env: str | None = None
+
+    def context(self, agent_id: str | None) -> AgentContext:
+        return AgentContext(
+            agent_id=agent_id,
+            model=self.model,
+            api_base=self.api_base,
+            api_key_env=self.api_key_env,
+            ai_provider_id=self.ai_provider_id,
+        )
+
+
+class ResolutionError(Exception):
+    """No model can serve: the reason is recorded as the extraction's skip reason."""
+
+
+def litellm_model(provider: str, model: str) -> str:
+    return model if model.startswith(f"{provider}/") else f"{provider}/{model}"
+
+
+def _target(provider: Provider, model: str | None) -> Target:
+    if not model:
+        raise ResolutionError(f"no model: provider {provider.id} has no default_model and none was given")
+    return Target(litellm_model(provider.provider, model), provider.id, provider.api_base, provider.api_key_env)
+
+
+def _route(route_id: str, routes: dict[str, list[dict[str, Any]]], providers: dict[str, Provider]) -> list[Target]:
+    targets = routes.get(route_id)
+    if not targets:
+        raise ResolutionError(f"model route {route_id} does not exist in this project or has no targets")
+    resolved = []
+    for target in targets:
+        provider = providers.get(str(target.get("ai_provider_id")))
+        if provider is None:
+            raise ResolutionError(f"model route {route_id} names an unknown provider")
+        resolved.append(_target(provider, target.get("model") or provider.default_model))
+    return resolved
+
+
+def resolve_targets(
+    extraction: ExtractionConfig,
+    agent: GenerationAgent,
+    *,
+    providers: dict[str, Provider],
+    routes: dict[str, list[dict[str, Any]]],
+    default_route_id: str | None,
+    service_model: str | None = None,
+) -> list[Target]:
+    """The models to try in order. `providers` and `routes` are the project's own (isolation)."""
+    if extraction.ai_provider_id:
+        override = providers.get(extraction.ai_provider_id)
+        if override is None:
+            raise ResolutionError("extraction.ai_provider_id names no provider of this project")
+        return [_target(override, extraction.model or override.default_model)]
+    if agent.ai_provider_id:
+        pinned = providers.get(agent.ai_provider_id)
+        if pinned is None:
+            raise ResolutionError("the agent's ai_provider_id names no provider of this project")
+        return [_target(pinned, extraction.model or agent.model or pinned.default_model)]
+    if agent.model_route_id:
+        return _route(agent.model_route_id, routes, providers)
+    if default_route_id:
+        return _route(default_route_id, routes, providers)
+    # A platform without a registry may send a full litellm model name; else the service's own model.
+    model = extraction.model or agent.model or service_model
+    if model:
+        return [Target(model)]
+    raise ResolutionError("no model: configure an AI provider, a model route or MEMORIES_MERGE_MODEL")

@@ -1,0 +1,157 @@
+"""SQL of the model registry (AI providers, model routes, a project's default route), LLM usage and
+extraction outcomes. Functions take a session and never commit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from shared.db.models import AiProvider, GenerationExtraction, LlmUsage, ModelRoute, ProjectSettings
+from shared.ids import new_id
+from shared.providers import Provider
+
+if TYPE_CHECKING:
+    from shared.extraction import ExtractionResult
+    from shared.llm import Completion
+
+PROVIDER_PREFIX = "aip_"
+ROUTE_PREFIX = "route_"
+
+
+async def create_provider(session: AsyncSession, project_id: str, **values: Any) -> AiProvider:
+    provider = AiProvider(id=new_id(PROVIDER_PREFIX), project_id=project_id, **values)
+    session.add(provider)
+    await session.flush()
+    await session.refresh(provider)
+    return provider
+
+
+async def list_providers(session: AsyncSession, project_id: str) -> list[AiProvider]:
+    query = select(AiProvider).where(AiProvider.project_id == project_id).order_by(AiProvider.created_at, AiProvider.id)
+    return list((await session.scalars(query)).all())
+
+
+async def get_provider(session: AsyncSession, project_id: str | None, provider_id: str) -> AiProvider | None:
+    provider = await session.get(AiProvider, provider_id)
+    return provider if provider is not None and project_id in (None, provider.project_id) else None
+
+
+async def delete_provider(session: AsyncSession, provider: AiProvider) -> None:
+    await session.execute(delete(AiProvider).where(AiProvider.id == provider.id))
+
+
+async def create_route(session: AsyncSession, project_id: str, name: str, targets: list[dict[str, Any]]) -> ModelRoute:
+    route = ModelRoute(id=new_id(ROUTE_PREFIX), project_id=project_id, name=name, targets=targets)
+    session.add(route)
+    await session.flush()
+    await session.refresh(route)
+    return route
+
+
+async def list_routes(session: AsyncSession, project_id: str) -> list[ModelRoute]:
+    query = select(ModelRoute).where(ModelRoute.project_id == project_id).order_by(ModelRoute.created_at, ModelRoute.id)
+    return list((await session.scalars(query)).all())
+
+
+async def get_route(session: AsyncSession, project_id: str | None, route_id: str) -> ModelRoute | None:
+    route = await session.get(ModelRoute, route_id)
+    return route if route is not None and project_id in (None, route.project_id) else None
+
+
+async def delete_route(session: AsyncSession, route: ModelRoute) -> None:
+    await session.execute(delete(ModelRoute).where(ModelRoute.id == route.id))
+
+
+async def set_default_route(session: AsyncSession, project_id: str, route_id: str | None) -> None:
+    await session.execute(
+        insert(ProjectSettings)
+        .values(project_id=project_id, default_model_route_id=route_id)
+        .on_conflict_do_update(
+            index_elements=[ProjectSettings.project_id],
+            set_={"default_model_route_id": route_id, "updated_at": func.now()},
+        )
+    )
+
+
+async def get_default_route(session: AsyncSession, project_id: str) -> str | None:
+    settings = await session.get(ProjectSettings, project_id)
+    return settings.default_model_route_id if settings else None
+
+
+async def load_model_registry(
+    session: AsyncSession, project_id: str
+) -> tuple[dict[str, Provider], dict[str, list[dict[str, Any]]], str | None]:
+    """Everything resolution needs, of this project only."""
+    providers = {
+        p.id: Provider(p.id, p.provider, p.api_base, p.api_key_env, p.default_model)
+        for p in await list_providers(session, project_id)
+    }
+    routes = {r.id: list(r.targets) for r in await list_routes(session, project_id)}
+    return providers, routes, await get_default_route(session, project_id)
+
+
+async def add_usage(
+    session: AsyncSession, project_id: str, ai_provider_id: str | None, completion: Completion, purpose: str
+) -> None:
+    session.add(
+        LlmUsage(
+            project_id=project_id,
+            ai_provider_id=ai_provider_id,
+            model=completion.model,
+            purpose=purpose,
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens,
+        )
+    )
+    await session.flush()
+
+
+async def usage_summary(session: AsyncSession, project_id: str) -> list[dict[str, Any]]:
+    query = (
+        select(
+            LlmUsage.ai_provider_id,
+            LlmUsage.model,
+            LlmUsage.purpose,
+            func.count().label("calls"),
+            func.sum(LlmUsage.prompt_tokens).label("prompt_tokens"),
+            func.sum(LlmUsage.completion_tokens).label("completion_tokens"),
+        )
+        .where(LlmUsage.project_id == project_id)
+        .group_by(LlmUsage.ai_provider_id, LlmUsage.model, LlmUsage.purpose)
+        .order_by(LlmUsage.model, LlmUsage.purpose)
+    )
+    return [dict(row._mapping) for row in (await session.execute(query)).all()]
+
+
+async def save_extraction(
+    session: AsyncSession, project_id: str, generation_id: str, result: ExtractionResult
+) -> None:
+    values = {
+        "status": result.status,
+        "reason": result.reason,
+        "model": result.model,
+        **result.summary.model_dump(),
+    }
+    await session.execute(
+        insert(GenerationExtraction)
+        .values(project_id=project_id, generation_id=generation_id, **values)
+        .on_conflict_do_update(
+            index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
+            set_={**values, "updated_at": func.now()},
+        )
+    )
+
+
+async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> None:
+    await session.execute(
+        insert(GenerationExtraction)
+        .values(project_id=project_id, generation_id=generation_id, status="pending")
+        .on_conflict_do_nothing()
+    )
+
+
+async def get_extraction(session: AsyncSession, project_id: str, generation_id: str) -> GenerationExtraction | None:
+    return await session.get(GenerationExtraction, (project_id, generation_id))

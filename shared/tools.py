@@ -1,0 +1,66 @@
+"""The `write_memory` tool an agent platform injects into a generation, and its execution in Python."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared.agents import AgentSpec, write_memory_event
+from shared.events import CONTENT_MAX_CHARS
+from shared.write_gateway import BusUnavailable, WriteGateway
+
+WRITE_MEMORY_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "write_memory",
+        "description": (
+            "Store one fact you learned that is worth remembering in later conversations: a preference, a "
+            "decision, a constraint, a detail about the user or their world. Write one self-contained, atomic "
+            "sentence. Do not store greetings, small talk, or instructions about how you should behave."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "content": {
+                    "type": "string",
+                    "description": "The fact, as one self-contained sentence.",
+                    "maxLength": CONTENT_MAX_CHARS,
+                }
+            },
+            "required": ["content"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def call_write_memory(
+    gateway: WriteGateway,
+    *,
+    project_id: str,
+    agent: AgentSpec,
+    content: str,
+    generation_id: str | None,
+    timeout: float,
+) -> dict[str, Any]:
+    """Execute one `write_memory` tool call; the result goes back to the model: `{action, entry_id}` or
+    `{error}`. The caller has checked that `write_memory_id` is a memory of `project_id`."""
+    memory_id = agent.knowledge().write_memory_id
+    if not memory_id:
+        return {"error": "this agent has no write_memory_id: memory writing is not enabled"}
+    try:
+        event = write_memory_event(
+            project_id=project_id, memory_id=memory_id, content=content, agent=agent, generation_id=generation_id
+        )
+    except ValidationError:
+        return {"error": f"content must be 1 to {CONTENT_MAX_CHARS} characters"}
+    try:
+        outcome = await gateway.submit(event, timeout=timeout)
+    except BusUnavailable:
+        return {"error": "memory is unavailable right now; try again later"}
+    if outcome is None:
+        return {"error": "the write was queued but not confirmed in time", "write_id": event.write_id}
+    if outcome.error is not None:
+        return {"error": outcome.error.message}
+    return {"action": str(outcome.action), "entry_id": outcome.entry_id}

@@ -1,0 +1,149 @@
+"""Extraction's pure parts: gating, the prompt contract, the parser, and model resolution."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from shared.agents import ExtractionConfig, KnowledgeConfig
+from shared.events import GenerationAgent, GenerationCompleted
+from shared.extraction import CONTRACT_LINE, DEFAULT_INSTRUCTIONS, build_prompt, candidate_write_id, gate, parse_candidates
+from shared.providers import Provider, ResolutionError, Target, resolve_targets
+
+
+def turn(config: dict[str, Any] | None, **fields: Any) -> GenerationCompleted:
+    return GenerationCompleted(
+        event_id="evt_1",
+        project_id="proj_AAAAAAAAAAAAAAAA",
+        generation_id="gen_1",
+        agent=GenerationAgent(id="agent_1", model="scripted/x", knowledge_config=config),
+        messages=[{"role": "user", "content": "I moved to Porto"}],
+        output="Noted, you live in Porto now.",
+        **fields,
+    )
+
+
+TARGET = {"write_memory_id": "mem_AAAAAAAAAAAAAAAA"}
+
+
+@pytest.mark.parametrize(
+    ("config", "fields", "run", "reason"),
+    [
+        ({**TARGET, "extraction": True}, {}, True, None),
+        ({"writeMemoryId": "mem_AAAAAAAAAAAAAAAA", "extraction": True}, {}, True, None),  # camelCase
+        ({**TARGET, "extraction": {"enabled": True}}, {}, True, None),
+        ({**TARGET, "extraction": {"prompt": "x"}}, {}, True, None),  # object form: enabled by default
+        ({**TARGET, "extraction": {"enabled": False}}, {}, False, "extraction_disabled"),
+        ({**TARGET}, {}, False, "extraction_disabled"),
+        ({**TARGET, "extraction": False}, {}, False, "extraction_disabled"),
+        ({**TARGET, "extraction": True}, {"extract": False}, False, "turn_opted_out"),
+        ({**TARGET}, {"extract": True}, True, None),  # forced for this turn
+        ({**TARGET, "extraction": {"enabled": False}}, {"extract": True}, True, None),
+        ({"extraction": True}, {}, False, "no_write_memory_id"),
+        ({"extraction": True}, {"extract": True}, False, "no_write_memory_id"),  # cannot conjure a target
+        (None, {}, False, "no_write_memory_id"),
+        ({**TARGET, "extraction": True}, {"streamed": True}, False, "streamed"),
+        ({**TARGET, "extraction": True}, {"streamed": True, "extract": True}, False, "streamed"),
+        ({**TARGET, "extraction": True}, {"status": "requires_action"}, False, "status_requires_action"),
+    ],
+)
+def test_gate(config: dict[str, Any] | None, fields: dict[str, Any], run: bool, reason: str | None) -> None:
+    decision = gate(turn(config, **fields))
+    assert (decision.run, decision.reason) == (run, reason)
+
+
+def test_config_casing_is_normalised_on_read() -> None:
+    config = KnowledgeConfig.parse(
+        {"memoryIds": "mem_AAAAAAAAAAAAAAAA", "writeMemoryId": "mem_B", "extraction": {"aiProviderId": "aip_1"}}
+    )
+    assert config.memory_ids == ["mem_AAAAAAAAAAAAAAAA"] and config.write_memory_id == "mem_B"
+    assert isinstance(config.extraction, ExtractionConfig) and config.extraction.ai_provider_id == "aip_1"
+
+
+def test_prompt_default_and_custom_keep_the_contract_and_transcript() -> None:
+    [default] = build_prompt(turn(TARGET), None)
+    assert default["role"] == "user" and default["content"].startswith(DEFAULT_INSTRUCTIONS)
+    [custom] = build_prompt(turn(TARGET), ExtractionConfig(prompt="Only extract addresses."))
+    content = custom["content"]
+    assert content.startswith("Only extract addresses.") and DEFAULT_INSTRUCTIONS not in content
+    for prompt in (default["content"], content):
+        assert CONTRACT_LINE in prompt
+        assert prompt.endswith("Conversation:\nuser: I moved to Porto\nassistant: Noted, you live in Porto now.")
+
+
+@pytest.mark.parametrize(
+    ("text", "facts"),
+    [
+        ('["A", "B"]', ["A", "B"]),
+        ('Sure! Here you go:\n["A", {"content": "B"}, "", "  ", 7, {"x": 1}]\nHope it helps.', ["A", "B"]),
+        ("[]", []),
+        ("no json here", []),
+        ('["unterminated', []),
+        ('{"facts": ["A"]}', ["A"]),  # first [ to last ]
+        ('[1, 2', []),
+        (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
+    ],
+)
+def test_parse_candidates(text: str, facts: list[str]) -> None:
+    assert parse_candidates(text) == facts
+
+
+def test_candidate_ids_are_stable_and_distinct() -> None:
+    first = candidate_write_id("proj_A", "gen_1", 0, "A")
+    assert first == candidate_write_id("proj_A", "gen_1", 0, "A")
+    assert len({first, candidate_write_id("proj_A", "gen_1", 1, "A"), candidate_write_id("proj_B", "gen_1", 0, "A")}) == 3
+
+
+OPENAI = Provider("aip_openai", "openai", default_model="gpt-4o-mini")
+LOCAL = Provider("aip_local", "ollama", api_base="http://127.0.0.1:11434", default_model="llama3")
+BARE = Provider("aip_bare", "anthropic")
+PROVIDERS = {p.id: p for p in (OPENAI, LOCAL, BARE)}
+ROUTES = {"route_1": [{"ai_provider_id": "aip_local", "model": "qwen"}, {"ai_provider_id": "aip_openai"}]}
+
+
+@pytest.mark.parametrize(
+    ("extraction", "agent", "default_route", "models"),
+    [
+        # extraction.ai_provider_id wins; its default model, not the agent's model
+        ({"ai_provider_id": "aip_local"}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["ollama/llama3"]),
+        ({"ai_provider_id": "aip_local", "model": "phi3"}, {"model": "gpt-4o"}, None, ["ollama/phi3"]),
+        # the agent's pinned provider: extraction.model → agent.model → provider default
+        ({}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["openai/gpt-4o"]),
+        ({"model": "o3"}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["openai/o3"]),
+        ({}, {"ai_provider_id": "aip_openai"}, None, ["openai/gpt-4o-mini"]),
+        # the agent's route, then the project's default route: each target its own model, in order
+        ({}, {"model_route_id": "route_1", "model": "ignored"}, None, ["ollama/qwen", "openai/gpt-4o-mini"]),
+        ({}, {}, "route_1", ["ollama/qwen", "openai/gpt-4o-mini"]),
+        # no registry: a full litellm model name from the agent
+        ({}, {"model": "scripted/x"}, None, ["scripted/x"]),
+    ],
+)
+def test_resolution_order(extraction: dict[str, Any], agent: dict[str, Any], default_route: str | None, models: list[str]) -> None:
+    targets = resolve_targets(
+        ExtractionConfig(**extraction), GenerationAgent(**agent), providers=PROVIDERS, routes=ROUTES,
+        default_route_id=default_route,
+    )
+    assert [t.model for t in targets] == models
+
+
+def test_resolution_meters_against_the_provider() -> None:
+    [target] = resolve_targets(ExtractionConfig(), GenerationAgent(ai_provider_id="aip_local"), providers=PROVIDERS,
+                               routes={}, default_route_id=None)
+    assert target == Target("ollama/llama3", "aip_local", "http://127.0.0.1:11434", None)
+
+
+@pytest.mark.parametrize(
+    ("extraction", "agent"),
+    [
+        ({"ai_provider_id": "aip_foreign"}, {}),  # not a provider of this project
+        ({}, {"ai_provider_id": "aip_bare"}),  # no model anywhere
+        ({}, {"model_route_id": "route_missing"}),
+        ({}, {}),
+    ],
+)
+def test_resolution_refusals(extraction: dict[str, Any], agent: dict[str, Any]) -> None:
+    with pytest.raises(ResolutionError):
+        resolve_targets(ExtractionConfig(**extraction), GenerationAgent(**agent), providers=PROVIDERS, routes=ROUTES,
+                        default_route_id=None)

@@ -1,0 +1,224 @@
+"""The extractor end to end: generation.completed on the real bus → two extractor replicas → writer →
+PostgreSQL, with the scripted litellm provider."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from shared import bus
+from shared.events import GenerationAgent, GenerationCompleted
+from shared.scripted_llm import ScriptedLLM, scripted_llm
+from shared.settings import Settings
+
+FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
+
+
+@pytest.fixture
+def llm() -> ScriptedLLM:
+    provider = scripted_llm()
+    provider.calls.clear()
+    return provider
+
+
+def extraction_only(facts: list[str]) -> Any:
+    """The facts for the extraction prompt; a blank answer to a merge prompt (so similar facts create)."""
+
+    def reply(messages: list[dict[str, Any]]) -> str:
+        return "" if messages[0]["role"] == "system" else json.dumps(facts)
+
+    return reply
+
+
+@pytest.fixture(autouse=True)
+def _extractors(extractors: list[Any]) -> None:
+    """Every test here needs the extractor replicas running."""
+
+
+def turn_body(memory: dict[str, Any], model: str, generation_id: str, **fields: Any) -> dict[str, Any]:
+    config = fields.pop("config", {"writeMemoryId": memory["id"], "extraction": True})
+    return {
+        "project_id": memory["project_id"],
+        "generation_id": generation_id,
+        "conversation_id": "conv_1",
+        "agent": {"id": "agent_1", "model": model, "knowledge_config": config},
+        "messages": [{"role": "user", "content": "Hi! I moved to Porto and I am allergic to peanuts."}],
+        "output": "Welcome to Porto! I'll remember the allergy.",
+        **fields,
+    }
+
+
+async def finished(client: httpx.AsyncClient, memory: dict[str, Any], generation_id: str) -> dict[str, Any]:
+    for _ in range(300):
+        response = await client.get(
+            f"/generations/{generation_id}/extraction", params={"project_id": memory["project_id"]}
+        )
+        if response.status_code == 200 and response.json()["status"] != "pending":
+            return response.json()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"extraction of {generation_id} never finished")
+
+
+async def entries(client: httpx.AsyncClient, memory_id: str) -> list[dict[str, Any]]:
+    return (await client.get("/memory-entries", params={"memory_id": memory_id, "limit": 100})).json()["data"]
+
+
+async def test_extraction_writes_each_fact_with_provenance(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("extract-facts", json.dumps(FACTS))
+    accepted = await client.post("/generations/completed", json=turn_body(memory, model, "gen_facts"))
+    assert accepted.status_code == 202 and accepted.json()["status"] == "pending"
+    outcome = await finished(client, memory, "gen_facts")
+    assert outcome["status"] == "completed" and outcome["model"] == model
+    assert outcome["summary"] == {"candidates": 3, "created": 3, "updated": 0, "skipped": 0, "failed": 0}
+    stored = await entries(client, memory["id"])
+    assert sorted(e["content"] for e in stored) == sorted(FACTS)
+    assert all(e["source_type"] == "extraction" for e in stored)
+    assert all(e["source_generation_id"] == "gen_facts" and e["source_conversation_id"] == "conv_1" for e in stored)
+    [call] = llm.calls_to("extract-facts")
+    prompt = call.messages[0]["content"]
+    assert call.temperature == 0 and "JSON array of strings" in prompt
+    assert prompt.endswith("assistant: Welcome to Porto! I'll remember the allergy.")
+
+
+async def test_skipped_turns_say_why(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
+    model = llm.script("extract-never", json.dumps(FACTS))
+    cases = {
+        "gen_streamed": {"streamed": True},
+        "gen_opted_out": {"extract": False},
+        "gen_requires_action": {"status": "requires_action"},
+        "gen_disabled": {"config": {"writeMemoryId": memory["id"]}},
+        "gen_no_target": {"config": {"extraction": True}, "extract": True},
+    }
+    for generation_id, fields in cases.items():
+        await client.post("/generations/completed", json=turn_body(memory, model, generation_id, **fields))
+    reasons = {g: (await finished(client, memory, g))["reason"] for g in cases}
+    assert reasons == {
+        "gen_streamed": "streamed",
+        "gen_opted_out": "turn_opted_out",
+        "gen_requires_action": "status_requires_action",
+        "gen_disabled": "extraction_disabled",
+        "gen_no_target": "no_write_memory_id",
+    }
+    assert llm.calls_to("extract-never") == [] and await entries(client, memory["id"]) == []
+
+
+async def test_custom_prompt_keeps_the_contract(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
+    model = llm.script("extract-custom", "[]")
+    config = {"write_memory_id": memory["id"], "extraction": {"prompt": "Only extract where the user lives."}}
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_custom", config=config))
+    outcome = await finished(client, memory, "gen_custom")
+    assert outcome["status"] == "completed" and outcome["summary"]["candidates"] == 0
+    prompt = llm.calls_to("extract-custom")[0].messages[0]["content"]
+    assert prompt.startswith("Only extract where the user lives.")
+    assert "JSON array of strings and nothing else" in prompt and "Conversation:\nuser: Hi!" in prompt
+
+
+async def test_malformed_output_completes_with_no_candidates(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("extract-garbage", "I could not find any facts, sorry.")
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_garbage"))
+    outcome = await finished(client, memory, "gen_garbage")
+    assert outcome["status"] == "completed" and outcome["summary"]["candidates"] == 0
+    assert await entries(client, memory["id"]) == []
+
+
+async def test_at_most_twenty_and_duplicates_collapse(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    topics = ["tea", "Lisbon", "cycling", "jazz", "Python", "sushi", "chess", "Berlin", "yoga", "hiking", "opera",
+              "golf", "Rome", "piano", "surfing", "ramen", "Kyoto", "tennis", "poetry", "sailing", "skiing", "Oslo"]
+    facts = ["The user loves tea", "The user loves tea"] + [f"The user is interested in {t}" for t in topics]
+    model = llm.script("extract-many", extraction_only(facts))
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_many"))
+    summary = (await finished(client, memory, "gen_many"))["summary"]
+    assert summary["candidates"] == 20
+    assert summary["created"] + summary["updated"] + summary["skipped"] + summary["failed"] == 20
+    assert summary["skipped"] >= 1  # the repeated fact
+    stored = await entries(client, memory["id"])
+    assert [e["content"] for e in stored].count("The user loves tea") == 1
+    assert len(stored) == summary["created"]
+
+
+async def test_a_redelivered_turn_writes_nothing_twice(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("extract-redelivered", json.dumps(FACTS))
+    event = GenerationCompleted(
+        event_id="evt_redelivered",
+        project_id=memory["project_id"],
+        generation_id="gen_redelivered",
+        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
+        messages=[{"role": "user", "content": "facts"}],
+    )
+    nc = await nats.connect(settings.nats_url)
+    try:
+        for msg_id in ("first", "second"):  # distinct ids: the stream's duplicate window does not help here
+            await nc.jetstream().publish(
+                bus.generation_completed_subject(memory["project_id"]), event.model_dump_json().encode(),
+                stream=bus.GENERATIONS_STREAM, headers={"Nats-Msg-Id": msg_id + event.generation_id},
+            )
+            await finished(client, memory, "gen_redelivered")
+    finally:
+        await nc.close()
+    await asyncio.sleep(0.5)
+    assert len(await entries(client, memory["id"])) == 3
+    assert len(llm.calls_to("extract-redelivered")) == 1
+
+
+async def test_failover_to_the_second_route_target_and_usage(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    llm.script("primary", RuntimeError("primary is down"))
+    llm.script("secondary", json.dumps(FACTS[:1]))
+    project_id = memory["project_id"]
+    provider = (await client.post("/ai-providers", json={"project_id": project_id, "name": "scripted",
+                                                          "provider": "scripted"})).json()
+    route = await client.post("/model-routes", json={"project_id": project_id, "name": "failover", "targets": [
+        {"ai_provider_id": provider["id"], "model": "primary"},
+        {"ai_provider_id": provider["id"], "model": "secondary"},
+    ]})
+    assert route.status_code == 201, route.text
+    body = turn_body(memory, "unused", "gen_failover")
+    body["agent"] = {"id": "agent_1", "model_route_id": route.json()["id"],
+                     "knowledge_config": {"write_memory_id": memory["id"], "extraction": True}}
+    await client.post("/generations/completed", json=body)
+    outcome = await finished(client, memory, "gen_failover")
+    assert outcome["status"] == "completed" and outcome["model"] == "scripted/secondary"
+    assert len(llm.calls_to("primary")) == 1 and len(llm.calls_to("secondary")) == 1
+    usage = (await client.get("/usage", params={"project_id": project_id})).json()["data"]
+    assert [(u["model"], u["purpose"], u["ai_provider_id"]) for u in usage] == [
+        ("scripted/secondary", "extraction", provider["id"])
+    ]
+
+
+async def test_a_turn_the_model_always_rejects_is_dead_lettered(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("extract-poison", RuntimeError("context length exceeded"))
+    nc = await nats.connect(settings.nats_url)
+    try:
+        dead = await nc.jetstream().subscribe(
+            f"{bus.DEAD_LETTER_ROOT}.extractor", stream=bus.DEAD_LETTER_STREAM,
+            deliver_policy=nats.js.api.DeliverPolicy.NEW,
+        )
+        await client.post("/generations/completed", json=turn_body(memory, model, "gen_poison"))
+        letter = json.loads((await dead.next_msg(timeout=30)).data)
+        assert "context length exceeded" in letter["reason"]
+    finally:
+        await nc.close()
+    outcome = await finished(client, memory, "gen_poison")
+    assert outcome["status"] == "failed" and "context length exceeded" in outcome["reason"]
+    assert len(llm.calls_to("extract-poison")) == settings.memories_max_deliver
+
+
+async def test_unknown_generation_is_404(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    response = await client.get("/generations/gen_nope/extraction", params={"project_id": memory["project_id"]})
+    assert response.status_code == 404
