@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import secrets
@@ -182,11 +183,12 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
 
 BENCHMARKS = ("search", "write", "guard", "extract")
 
+_COMMAND_MODULES = ("services.cli_dlq", "services.cli_resources", "services.cli_contracts")
+"""Modules whose `register(subparsers)` adds more verbs (dead letters, the REST resources, contracts)."""
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Each benchmark is a module services.bench.<name> with `main(argv) -> int`; it prints a table."""
-    import importlib
-
     module = importlib.import_module(f"services.bench.{args.benchmark}")
     return int(module.main(args.bench_args))
 
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=BENCHMARKS)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (--help)")
     bench.set_defaults(func=cmd_bench)
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
