@@ -195,3 +195,13 @@ class ExtractionCompleted(Event):
     status: str
     reason: str | None = None
     summary: ExtractionSummary
+
+
+class DeadLetter(BaseModel):
+    """Subject `dlq.<origin>`; stream DEAD_LETTERS: a message a consumer gave up on, with why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    origin_subject: str
+    reason: str
+    body: str = Field(description="the original payload, as text")

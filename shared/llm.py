@@ -49,12 +49,9 @@ class RateLimited(LlmError):
 
 
 def _litellm() -> Any:
-    # litellm fetches a model cost map over the network while importing unless this is set first.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
+    from shared.litellm_loader import load_litellm
 
-    litellm.suppress_debug_info = True
-    return litellm
+    return load_litellm()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +66,23 @@ async def complete(
     messages: list[dict[str, str]], *, agent: AgentContext, timeout: float, purpose: str
 ) -> Completion:
     """One temperature-0 completion. Raises LlmError on any failure."""
+    from shared import metrics
+
     litellm = _litellm()
     # The provider key is named, never stored: the event carries the variable's name only.
     api_key = os.environ.get(agent.api_key_env) if agent.api_key_env else None
     try:
-        response = await litellm.acompletion(
-            model=agent.model,
-            messages=messages,
-            temperature=0,
-            timeout=timeout,
-            api_base=agent.api_base,
-            api_key=api_key,
-            num_retries=0,
-        )
+        with metrics.track_llm(agent.model, purpose) as call:
+            response = await litellm.acompletion(
+                model=agent.model,
+                messages=messages,
+                temperature=0,
+                timeout=timeout,
+                api_base=agent.api_base,
+                api_key=api_key,
+                num_retries=0,
+            )
+            call.record_usage(response)
         text = response.choices[0].message.content or ""
     except Exception as exc:
         raise LlmError(f"{purpose} completion with {agent.model!r} failed: {exc}") from exc

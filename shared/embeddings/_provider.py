@@ -6,16 +6,16 @@ Importing this module imports litellm: `shared.embeddings` only imports it from 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-# litellm fetches its model cost map over the network while being imported unless this is set.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
-import litellm  # must follow the environment default above
 import numpy as np
+
+from shared.litellm_loader import load_litellm
+
+litellm = load_litellm()  # before any other litellm import: it sets the offline cost map
+
 from litellm.llms.custom_llm import CustomLLM, CustomLLMError
 from litellm.types.utils import EmbeddingResponse, Usage
 

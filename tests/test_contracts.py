@@ -1,0 +1,38 @@
+"""The published contracts match the code: docs/asyncapi.json from shared/events.py, docs/openapi.json
+from the routes. Regenerate with `memories asyncapi` and `memories openapi`."""
+
+from __future__ import annotations
+
+import json
+
+from services.cli_contracts import DOCS, asyncapi, openapi, render
+from shared import events
+
+
+def test_asyncapi_document_is_current() -> None:
+    assert (DOCS / "asyncapi.json").read_text() == render(asyncapi())
+
+
+def test_openapi_document_is_current() -> None:
+    assert (DOCS / "openapi.json").read_text() == render(openapi())
+
+
+def test_every_event_model_is_in_the_asyncapi_document() -> None:
+    document = json.loads((DOCS / "asyncapi.json").read_text())
+    published = set(document["components"]["messages"])
+    event_models = {
+        name for name, value in vars(events).items()
+        if isinstance(value, type) and issubclass(value, events.Event) and value is not events.Event
+    }
+    assert event_models <= published
+
+
+def test_every_route_has_a_summary() -> None:
+    document = openapi()
+    missing = [
+        f"{method.upper()} {path}"
+        for path, operations in document["paths"].items()
+        for method, operation in operations.items()
+        if not operation.get("summary")
+    ]
+    assert missing == []
