@@ -162,8 +162,7 @@ async def find_nearest(
     session: AsyncSession, memory_id: str, embedding: Sequence[float], limit: int = 1
 ) -> list[Candidate]:
     """The most similar valid entries of one memory, by cosine similarity."""
-    # Iterative scans keep an HNSW scan going until enough rows pass the memory filter (pgvector 0.8).
-    await session.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+    # hnsw.iterative_scan is set on every connection (shared.db.session): the memory filter cannot starve it.
     distance = MemoryEntry.embedding.cosine_distance(embedding)
     rows = (
         await session.execute(
@@ -182,8 +181,7 @@ async def find_nearest(
 async def insert_entry(session: AsyncSession, **values: Any) -> MemoryEntry:
     entry = MemoryEntry(id=new_id(ENTRY_PREFIX), **values)
     session.add(entry)
-    await session.flush()
-    await session.refresh(entry)
+    await session.flush()  # INSERT … RETURNING brings the timestamps back (eager_defaults)
     return entry
 
 
@@ -222,8 +220,16 @@ async def get_write_outcome_for_project(
 
 
 async def save_write_outcome(session: AsyncSession, outcome: WriteOutcome) -> None:
-    await session.merge(outcome)
-    await session.flush()
+    """Insert or overwrite the write's record in one statement (the pending claim usually exists)."""
+    values = {column.key: getattr(outcome, column.key) for column in WriteOutcome.__table__.columns}
+    values.pop("created_at")
+    values["updated_at"] = func.now()
+    values["failed_attempts"] = values["failed_attempts"] or 0
+    await session.execute(
+        insert(WriteOutcome)
+        .values(**values)
+        .on_conflict_do_update(index_elements=[WriteOutcome.write_id], set_=values)
+    )
 
 
 async def claim_write_id(
@@ -257,6 +263,16 @@ async def claim_write_id(
     if retried is not None:
         await session.refresh(outcome)
     return outcome, retried is not None
+
+
+async def release_write_claim(session: AsyncSession, write_id: str) -> None:
+    """The owner of a pending write could not publish it: age the claim so the next retry owns it at once
+    instead of after STALE_PENDING. A publish that did land is harmless: the retry reuses its message id."""
+    await session.execute(
+        update(WriteOutcome)
+        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending")
+        .values(updated_at=func.now() - 2 * STALE_PENDING)
+    )
 
 
 async def add_history(session: AsyncSession, record: EntryHistory) -> None:

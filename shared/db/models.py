@@ -12,7 +12,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class Base(DeclarativeBase):
-    pass
+    # Server defaults (timestamps) come back with INSERT … RETURNING instead of a second SELECT.
+    __mapper_args__ = {"eager_defaults": True}
 
 
 def _created() -> Mapped[datetime]:

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 
-def create_engine(database_url: str, *, pool_size: int = 10) -> AsyncEngine:
-    return create_async_engine(
+def create_engine(database_url: str, *, pool_size: int = 10, pre_ping: bool = True) -> AsyncEngine:
+    """`pre_ping` costs a round trip per checkout; a consumer whose failed message is redelivered anyway
+    can do without it."""
+    engine = create_async_engine(
         database_url,
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         # A dead server must surface as an error quickly (503), not hang a request.
         connect_args={"connect_timeout": 5},
     )
+    event.listen(engine.sync_engine, "connect", _configure_connection)
+    return engine
+
+
+def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
+    # Filtered nearest-neighbour queries keep scanning the HNSW index until enough rows pass the filter
+    # (pgvector 0.8). Set once per connection rather than per query: one round trip less on the hot path.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("SET hnsw.iterative_scan = relaxed_order")
+    cursor.close()
+    dbapi_connection.commit()
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
