@@ -22,7 +22,15 @@ _SERVICES = ("api", "writer", "extractor")
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from pydantic import ValidationError
+
+    from shared.logs import configure
+
+    try:
+        log_format = get_settings().memories_log_format
+    except ValidationError:
+        log_format = "auto"  # the command itself reports the invalid settings, in a readable log at least
+    configure(log_format)
 
 
 def _parse_partitions(spec: str | None) -> list[int] | None:
@@ -70,9 +78,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         env["MEMORIES_HOST"] = args.host or settings.memories_host
         env["MEMORIES_PORT"] = str(args.port or settings.memories_port)
         upgrade(env["DATABASE_URL"])
+        metrics_ports = _metrics_ports(settings)
         for service in _SERVICES:
-            children.append(subprocess.Popen([sys.executable, "-m", "services.cli", service], env=env))
-        _announce(env, settings)
+            child_env = {**env, "MEMORIES_METRICS_PORT": str(metrics_ports.get(service, 0))}
+            children.append(subprocess.Popen([sys.executable, "-m", "services.cli", service], env=child_env))
+        _announce(env, settings, metrics_ports)
         return _supervise(children)
     finally:
         for child in children:
@@ -87,11 +97,22 @@ def cmd_up(args: argparse.Namespace) -> int:
             server.stop()
 
 
-def _announce(env: dict[str, str], settings: Settings) -> None:
+def _metrics_ports(settings: Settings) -> dict[str, int]:
+    """One process, one port: the writer and the extractor each serve /metrics on their own."""
+    from shared.servers import free_port
+
+    if settings.memories_metrics_port:
+        return {"writer": settings.memories_metrics_port, "extractor": settings.memories_metrics_port + 1}
+    return {"writer": free_port(), "extractor": free_port()}
+
+
+def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, int]) -> None:
     base = f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"
     lines = [
         f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs)",
         f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
+        "Metrics: API " + f"{base}/metrics, "
+        + ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()),
         f"Embeddings: {settings.embedding_model} (in-process, offline)",
     ]
     if not settings.memories_merge_model:
@@ -132,6 +153,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         port=args.port or settings.memories_port,
         log_level="info",
         access_log=False,
+        log_config=None,  # uvicorn's lines go through our handlers (JSON outside a terminal)
     )
     return 0
 

@@ -3,7 +3,95 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from nats.js import JetStreamContext
+
+from shared import bus, dead_letters
+from shared.settings import get_settings
+
+ORIGINS = ("writer", "extractor")
+_REASON_WIDTH = 80
+
+T = TypeVar("T")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds this module's verbs to the `memories` parser."""
+    dlq = subparsers.add_parser("dlq", help="inspect and replay dead letters (stream DEAD_LETTERS)")
+    verbs = dlq.add_subparsers(dest="dlq_command", required=True)
+    listing = verbs.add_parser("list", help="dead letters, oldest first")
+    listing.add_argument("--origin", choices=ORIGINS, help="only those dead-lettered by this service")
+    listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100; 0 = all)")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line, with the body")
+    listing.set_defaults(func=cmd_dlq_list)
+    replay = verbs.add_parser("replay", help="republish to the original subject, then delete the dead letter")
+    replay.add_argument("sequences", nargs="*", type=int, metavar="SEQ", help="sequences shown by `dlq list`")
+    replay.add_argument("--all", action="store_true", help="every dead letter (of --origin, if given)")
+    replay.add_argument("--origin", choices=ORIGINS, help="with --all: only this service's dead letters")
+    replay.set_defaults(func=cmd_dlq_replay)
+
+
+def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
+    nats_url = get_settings().nats_url
+    if not nats_url:
+        print("NATS_URL is not set", file=sys.stderr)
+        return None
+
+    async def run() -> T:
+        nc = await bus.connect(nats_url, name="memories-dlq")
+        try:
+            return await work(nc.jetstream())
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
+
+
+def cmd_dlq_list(args: argparse.Namespace) -> int:
+    letters = _with_jetstream(
+        lambda js: dead_letters.list_dead_letters(js, origin=args.origin, limit=args.limit or None)
+    )
+    if letters is None:
+        return 2
+    if args.json:
+        for letter in letters:
+            print(json.dumps(letter.as_json()))
+        return 0
+    if not letters:
+        print("no dead letters")
+        return 0
+    print(f"{'SEQ':>6}  {'TIME (UTC)':19}  {'ORIGIN':9}  {'SUBJECT':40}  REASON")
+    for letter in letters:
+        when = letter.time.strftime("%Y-%m-%d %H:%M:%S") if letter.time else "-"
+        reason = " ".join(letter.reason.split())
+        reason = reason if len(reason) <= _REASON_WIDTH else reason[: _REASON_WIDTH - 1] + "…"
+        print(f"{letter.sequence:>6}  {when:19}  {letter.origin:9}  {letter.origin_subject:40}  {reason}")
+    return 0
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    if args.all == bool(args.sequences):
+        print("give either sequences or --all", file=sys.stderr)
+        return 2
+    if args.origin and not args.all:
+        print("--origin goes with --all", file=sys.stderr)
+        return 2
+    results = _with_jetstream(
+        lambda js: dead_letters.replay_all(js, origin=args.origin)
+        if args.all
+        else dead_letters.replay(js, list(args.sequences))
+    )
+    if results is None:
+        return 2
+    for result in results:
+        if result.ok:
+            print(f"replayed {result.sequence} -> {result.subject} ({result.stream})")
+        else:
+            print(f"not replayed {result.sequence}: {result.error}", file=sys.stderr)
+    print(f"{sum(r.ok for r in results)} replayed, {sum(not r.ok for r in results)} not replayed")
+    return 0 if all(r.ok for r in results) else 1

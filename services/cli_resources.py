@@ -1,9 +1,381 @@
-"""REST resources from the command line: create-memory, list-memories, … (the seed's verbs)."""
+"""REST resources from the command line: create-memory, list-memories, … (the seed's verbs), and `import`.
+
+Every verb talks to the service at `--url` (MEMORIES_URL) with `--token` (MEMORIES_TOKEN, else the local
+run's admin token file). `--json` prints the API's JSON; otherwise a table. A failed call prints the error's
+code and message on stderr and exits 1; a bad argument exits 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from shared.client import UNSET, AsyncMemoriesClient, MemoriesClient, MemoriesError, Page
+from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines
+from shared.settings import get_settings
+
+Command = Callable[[MemoriesClient, argparse.Namespace], Any]
+Column = tuple[str, Callable[[dict[str, Any]], Any]]
+
+_CELL_WIDTH = 60
+
+MEMORY_COLUMNS: list[Column] = [
+    ("ID", lambda m: m["id"]),
+    ("NAME", lambda m: m["name"]),
+    ("TAGS", lambda m: ",".join(m["tags"] or [])),
+    ("PROJECT", lambda m: m["project_id"]),
+]
+ENTRY_COLUMNS: list[Column] = [
+    ("ID", lambda e: e["id"]),
+    ("CONTENT", lambda e: e["content"]),
+    ("TAGS", lambda e: ",".join(e["tags"] or [])),
+    ("SOURCE", lambda e: e["source_type"]),
+    ("INVALIDATED", lambda e: "yes" if e["invalidated_at"] else ""),
+]
+RESULT_COLUMNS: list[Column] = [
+    ("SCORE", lambda r: "" if r.get("score") is None else f"{r['score']:.3f}"),
+    ("ENTRY", lambda r: r["entry_id"]),
+    ("MEMORY", lambda r: r["memory_name"]),
+    ("CONTENT", lambda r: r["content"]),
+]
+PROJECT_COLUMNS: list[Column] = [("ID", lambda p: p["id"]), ("NAME", lambda p: p["name"])]
+
+
+# Argument types: a bad value is a usage error (exit 2) --------------------------------------------
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+
+
+def json_array(text: str) -> list[str] | None:
+    """A JSON array of strings, as in the seed (`--tags '["customer", "crm"]'`); `null` clears on update."""
+    value = _json_value(text)
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError("expected a JSON array of strings")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    value = _json_value(text)
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def one_or_many(text: str) -> list[str]:
+    """A filter value: a plain string, or a JSON array of them."""
+    if text.lstrip().startswith("["):
+        return json_array(text) or []
+    return [text]
+
+
+class Values(argparse.Action):
+    """`--tags a* b?` or `--tags '["a*", "b?"]'`, repeatable: one flat list of the values."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        items = list(getattr(namespace, self.dest) or [])
+        for value in values:
+            items.extend(value)
+        setattr(namespace, self.dest, items)
+
+
+# Output -------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    # Only the fields the service sent: a search without a query has no score rather than a null one.
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_unset=True)
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _cell(value: Any) -> str:
+    text = " ".join(str(value if value is not None else "").split())
+    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
+
+
+def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> None:
+    cells = [[_cell(get(row)) for _, get in columns] for row in rows]
+    widths = [max([len(header), *(len(line[i]) for line in cells)]) for i, (header, _) in enumerate(columns)]
+    for line in [[header for header, _ in columns], *cells]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+def print_record(record: dict[str, Any]) -> None:
+    width = max(map(len, record), default=0)
+    for name, value in record.items():
+        shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else value
+        print(f"{name.ljust(width)}  {'' if shown is None else shown}")
+
+
+def show(result: Any, args: argparse.Namespace, columns: Sequence[Column] | None = None) -> None:
+    data = _plain(result)
+    if args.json:
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    elif isinstance(result, Page) and columns:
+        print_table(data["data"], columns)
+        print(f"({len(data['data'])} of {data['total']}, offset {data['offset']})")
+    elif isinstance(data, list) and columns:
+        print_table(data, columns)
+    elif isinstance(data, dict):
+        print_record(data)
+
+
+# Verbs --------------------------------------------------------------------------------------------
+
+
+def _changes(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The options given on the command line; left-out ones are UNSET, so the update keeps those fields."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not UNSET}
+
+
+def _deleted(identifier: str, args: argparse.Namespace) -> None:
+    print(json.dumps({"id": identifier, "deleted": True}) if args.json else f"deleted {identifier}")
+
+
+def delete_memory(client: MemoriesClient, args: argparse.Namespace) -> None:
+    client.delete_memory(args.id)
+    _deleted(args.id, args)
+
+
+def delete_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
+    client.delete_entry(args.id)
+    _deleted(args.id, args)
+
+
+def create_memory(client: MemoriesClient, args: argparse.Namespace) -> None:
+    memory = client.create_memory(
+        args.name, project_id=args.project_id, description=args.description, tags=args.tags
+    )
+    show(memory, args)
+
+
+def create_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
+    written = client.create_entry(
+        args.memory_id,
+        args.content,
+        tags=args.tags,
+        metadata=args.metadata,
+        duplicate_threshold=args.duplicate_threshold,
+        idempotency_key=args.idempotency_key,
+    )
+    if args.json or written.entry is None:
+        show(written, args)
+    else:
+        print(f"{written.action}: {written.entry.id}  (write {written.write_id})")
+
+
+def search(client: MemoriesClient, args: argparse.Namespace) -> None:
+    results = client.search(
+        args.query,
+        memory_ids=args.memory_ids,
+        memory_tags=args.memory_tags,
+        limit=args.limit,
+        min_score=args.min_score,
+        project_id=args.project_id,
+    )
+    show({"results": _plain(results)} if args.json else results, args, RESULT_COLUMNS)
+
+
+VERBS: dict[str, Command] = {
+    "create-project": lambda c, a: show(c.create_project(a.name), a),
+    "list-projects": lambda c, a: show(c.list_projects(limit=a.limit, offset=a.offset), a, PROJECT_COLUMNS),
+    "create-memory": create_memory,
+    "list-memories": lambda c, a: show(
+        c.list_memories(project_id=a.project_id, tags=a.tags, limit=a.limit, offset=a.offset),
+        a,
+        MEMORY_COLUMNS,
+    ),
+    "get-memory": lambda c, a: show(c.get_memory(a.id), a),
+    "update-memory": lambda c, a: show(
+        c.update_memory(a.id, **_changes(a, ("name", "description", "tags"))), a
+    ),
+    "delete-memory": delete_memory,
+    "create-memory-entry": create_entry,
+    "list-memory-entries": lambda c, a: show(
+        c.list_entries(
+            a.memory_id, include_invalidated=a.include_invalidated, limit=a.limit, offset=a.offset
+        ),
+        a,
+        ENTRY_COLUMNS,
+    ),
+    "get-memory-entry": lambda c, a: show(c.get_entry(a.id), a),
+    "update-memory-entry": lambda c, a: show(
+        c.update_entry(a.id, **_changes(a, ("content", "tags", "metadata"))), a
+    ),
+    "delete-memory-entry": delete_entry,
+    "get-memory-write": lambda c, a: show(c.get_write(a.id), a),
+    "search": search,
+}
+
+
+# Connection and error handling --------------------------------------------------------------------
+
+
+def connection(args: argparse.Namespace) -> tuple[str, str | None]:
+    """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else the admin token a local `memories up` wrote."""
+    settings = get_settings()
+    token = args.token or settings.memories_token
+    token_file = settings.data_dir / "admin_token"
+    if not token and token_file.is_file():
+        token = token_file.read_text().strip()
+    return args.url or settings.memories_url, token
+
+
+def report(error: MemoriesError) -> int:
+    print(f"error: {error.code}: {error.message}", file=sys.stderr)
+    if error.meta:
+        print(json.dumps(error.meta, ensure_ascii=False), file=sys.stderr)
+    return 1
+
+
+def _quiet_http_logs() -> None:
+    # One INFO line per request from httpx would bury the command's own output.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run_verb(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    url, token = connection(args)
+    try:
+        with MemoriesClient(url, token) as client:
+            VERBS[args.command](client, args)
+    except MemoriesError as error:
+        return report(error)
+    return 0
+
+
+# Bulk import --------------------------------------------------------------------------------------
+
+
+def run_import(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    try:
+        data = Path(args.file).read_bytes()
+        text = data.decode()
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    summary = ImportSummary()
+    lines = parse_lines(text, file_digest(data), summary)
+    bar = ProgressBar()
+    url, token = connection(args)
+
+    async def run() -> None:
+        async with AsyncMemoriesClient(url, token) as client:
+            await import_lines(client, lines, summary, concurrency=args.concurrency, on_progress=bar.update)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        bar.update(summary, final=True)
+        print(
+            "interrupted: run the same import again to finish it (nothing is written twice)", file=sys.stderr
+        )
+        return 130
+    bar.update(summary, final=True)
+    for number, reason in summary.failures:
+        print(f"line {number}: {reason}", file=sys.stderr)
+    print(json.dumps(summary.as_json(), indent=2) if args.json else summary.describe())
+    return 1 if summary.counts["failed"] else 0
+
+
+# Parser -------------------------------------------------------------------------------------------
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="the service (default: MEMORIES_URL or http://127.0.0.1:8000)")
+    common.add_argument("--token", help="bearer token (default: MEMORIES_TOKEN or .memories/admin_token)")
+    common.add_argument("--json", action="store_true", help="print the API's JSON")
+    return common
+
+
+def _paging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--limit", type=int, help="page size, 1..100 (default 50)")
+    parser.add_argument("--offset", type=int)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds this module's verbs to the `memories` parser."""
+    common = _common()
+
+    def verb(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = subparsers.add_parser(name, help=help_text, parents=[common])
+        parser.set_defaults(func=run_verb)
+        return parser
+
+    def update_option(parser: argparse.ArgumentParser, name: str, **options: Any) -> None:
+        parser.add_argument(name, default=UNSET, **options)
+
+    parser = verb("create-project", "create a project (admin token)")
+    parser.add_argument("--name", required=True)
+    _paging(verb("list-projects", "list projects (admin token)"))
+
+    parser = verb("create-memory", "create a memory")
+    parser.add_argument("--project-id")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--description")
+    parser.add_argument("--tags", type=json_array, help='a JSON array, e.g. \'["customer", "crm"]\'')
+    parser = verb("list-memories", "list memories, optionally by tag globs (* and ?; ORed)")
+    parser.add_argument("--project-id")
+    parser.add_argument("--tags", type=one_or_many, nargs="+", action=Values, metavar="GLOB")
+    _paging(parser)
+    verb("get-memory", "show a memory").add_argument("id")
+    parser = verb("update-memory", "change the given fields of a memory")
+    parser.add_argument("id")
+    update_option(parser, "--name")
+    update_option(parser, "--description")
+    update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
+    verb("delete-memory", "delete a memory and its entries").add_argument("id")
+
+    parser = verb("create-memory-entry", "write an entry through the dedup algorithm")
+    parser.add_argument("--memory-id", required=True)
+    parser.add_argument("--content", required=True)
+    parser.add_argument("--tags", type=json_array, help="a JSON array of strings")
+    parser.add_argument("--metadata", type=json_object, help="a JSON object")
+    parser.add_argument("--duplicate-threshold", type=float, help="0..1 (default 0.95)")
+    parser.add_argument("--idempotency-key", help="a retry with the same key gets the first outcome")
+    parser = verb("list-memory-entries", "list a memory's entries")
+    parser.add_argument("--memory-id", required=True)
+    parser.add_argument("--include-invalidated", action="store_true")
+    _paging(parser)
+    verb("get-memory-entry", "show an entry (also an invalidated one)").add_argument("id")
+    parser = verb("update-memory-entry", "edit an entry: tags/metadata replaced, new content re-embedded")
+    parser.add_argument("id")
+    update_option(parser, "--content")
+    update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
+    update_option(parser, "--metadata", type=json_object, help="a JSON object; null clears")
+    verb("delete-memory-entry", "delete an entry").add_argument("id")
+    verb("get-memory-write", "the outcome of a write that answered pending").add_argument("id")
+
+    parser = verb("search", "search entries by similarity (with --query) or list them by filters")
+    parser.add_argument("--query")
+    parser.add_argument("--memory-ids", type=one_or_many, nargs="+", action=Values, metavar="ID")
+    parser.add_argument("--memory-tags", type=one_or_many, nargs="+", action=Values, metavar="GLOB")
+    parser.add_argument("--limit", type=int, help="default 10, at most 100")
+    parser.add_argument("--min-score", type=float)
+    parser.add_argument("--project-id")
+
+    parser = subparsers.add_parser(
+        "import", help="import entries from JSON Lines; re-running imports nothing twice", parents=[common]
+    )
+    parser.add_argument("file", metavar="FILE.jsonl", help='lines of {"memory_id", "content", "tags"?, …}')
+    parser.add_argument("--concurrency", type=int, default=4, help="memories written at once (default 4)")
+    parser.set_defaults(func=run_import)

@@ -189,9 +189,12 @@ async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCo
 
 async def dead_letter(js: JetStreamContext, origin: str, subject: str, body: bytes, *, reason: str) -> None:
     """Park a message that cannot be processed, with why, for `memories dlq list|replay`."""
-    log.error("dead-lettering message from %s: %s", subject, reason)
+    from shared import metrics  # here, not at the top: shared.metrics imports this module
+
+    log.error("dead-lettering message from %s: %s", subject, reason, extra={"origin": origin})
     envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
     await js.publish(dead_letter_subject(origin), json.dumps(envelope).encode(), stream=DEAD_LETTER_STREAM)
+    metrics.observe_dead_letter(origin)
 
 
 async def connect(url: str, *, name: str) -> NatsClient:

@@ -43,7 +43,9 @@ MemoryIdList = Annotated[
     Field(max_length=MAX_MEMORY_IDS),
 ]
 TagPatternList = Annotated[
-    list[Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]],
+    list[
+        Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
+    ],
     BeforeValidator(_one_or_many),
     Field(max_length=MAX_TAG_PATTERNS),
 ]
@@ -122,4 +124,3 @@ async def reference_context(
         dimensions=dimensions,
     )
     return ReferenceContext(reference_message(results.hits), results)
-

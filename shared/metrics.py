@@ -141,6 +141,8 @@ for _action in WriteAction:
         WRITE_DECISIONS.labels(_action.value, _source.value)
 for _source in SourceType:
     WRITE_LATENCY.labels(_source.value)
+for _outcome in ("completed", "skipped", "failed"):
+    EXTRACTIONS.labels(_outcome)
 
 
 def render() -> bytes:
@@ -172,8 +174,31 @@ def observe_extraction(outcome: str) -> None:
     EXTRACTIONS.labels(outcome).inc()
 
 
-def observe_extraction_skip(reason: str) -> None:
-    EXTRACTION_SKIPS.labels(reason).inc()
+_TURN_GATE_REASONS = frozenset({"streamed", "turn_opted_out", "extraction_disabled", "no_write_memory_id"})
+
+
+def extraction_skip_label(reason: str | None) -> str:
+    """The `reason` label of a skipped turn, from the free-text reason the extractor stores.
+
+    Stored reasons can embed a client's status string or a provider's id; a label must not (each value is
+    a series forever). The gate's own reasons (shared.extraction.gate) pass through; the rest are grouped:
+    `turn_not_completed`, `unknown_memory`, `no_model` (shared.providers.ResolutionError), `other`.
+    """
+    if reason is None:
+        return "other"
+    if reason in _TURN_GATE_REASONS:
+        return reason
+    if reason.startswith("status_"):
+        return "turn_not_completed"
+    if reason.startswith("write_memory_id"):
+        return "unknown_memory"
+    if "model" in reason or "provider" in reason:
+        return "no_model"
+    return "other"
+
+
+def observe_extraction_skip(reason: str | None) -> None:
+    EXTRACTION_SKIPS.labels(extraction_skip_label(reason)).inc()
 
 
 # --- model calls --------------------------------------------------------------------------------------

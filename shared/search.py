@@ -117,7 +117,7 @@ async def search_knowledge(
     """Embed the query (when there is one) and search. Raises EmbeddingError when the model fails."""
     vector = None
     if query is not None and query.strip():
-        [vector] = await embed_texts([query], model=embedding_model, dimensions=dimensions)
+        [vector] = await embed_texts([query], model=embedding_model, dimensions=dimensions, purpose="search")
     return await search_by_vector(
         session, project_id=project_id, vector=vector, filters=filters, limit=limit, min_score=min_score
     )
@@ -224,7 +224,9 @@ async def estimate_rows(session: AsyncSession, condition: ColumnElement[bool]) -
     """The planner's estimate of the filtered set's size: planning only, a fraction of a millisecond,
     where counting a large set would read it. Tag globs are estimated from the extended statistics of
     migration 0002; a wrong estimate costs time, never results."""
-    plan = await session.scalar(_Explain(select(literal_column("1")).select_from(MemoryEntry).where(condition)))
+    plan = await session.scalar(
+        _Explain(select(literal_column("1")).select_from(MemoryEntry).where(condition))
+    )
     return float(plan[0]["Plan"]["Plan Rows"])
 
 
@@ -248,7 +250,11 @@ def exact_statement(
 
 
 async def _ranked_exactly(
-    session: AsyncSession, condition: ColumnElement[bool], vector: Sequence[float], limit: int, bound: int | None
+    session: AsyncSession,
+    condition: ColumnElement[bool],
+    vector: Sequence[float],
+    limit: int,
+    bound: int | None,
 ) -> list[KnowledgeHit] | None:
     """The exact top `limit`; None when the set has more than `bound` rows."""
     rows = (await session.execute(exact_statement(condition, vector, limit, bound))).all()

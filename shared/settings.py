@@ -47,6 +47,17 @@ class Settings(BaseSettings):
     # Metrics port of the writer and extractor processes (0 = off).
     memories_metrics_port: int = Field(default=0, ge=0, le=65535)
 
+    # Log lines of every process: one JSON object each, or text for a person (docs/operations.md).
+    memories_log_format: str = Field(
+        default="auto", pattern="^(auto|json|text)$", description="auto: text on a terminal, JSON otherwise"
+    )
+
+    # The resource verbs of the CLI (`memories create-memory`, …): which service, with which token.
+    memories_url: str = Field(default="http://127.0.0.1:8000", description="the service the CLI talks to")
+    memories_token: str | None = Field(
+        default=None, description="the CLI's bearer token; unset: <data dir>/admin_token when it exists"
+    )
+
     @property
     def data_dir(self) -> Path:
         return self.memories_data_dir.expanduser().resolve()

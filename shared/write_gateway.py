@@ -17,6 +17,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
@@ -52,7 +53,9 @@ class WriteGateway:
         try:
             outcome = MemoryWriteOutcome.model_validate_json(msg.data)
         except ValidationError:
-            log.error("malformed write outcome on %s", msg.subject)
+            # The reply subject ends with the write id; the memory is not known from a malformed answer.
+            ids = {"write_id": msg.subject.rsplit(".", 1)[-1], "memory_id": None}
+            log.error("malformed write outcome on %s", msg.subject, extra=ids)
             return
         future = self._waiting.get(outcome.write_id)
         if future is not None and not future.done():
@@ -70,7 +73,19 @@ class WriteGateway:
             return outcome_of(record)
         if not owned:
             return await self._await_stored(event.write_id, timeout)
-        return await self._publish_and_wait(event, attempt=record.failed_attempts, timeout=timeout)
+        try:
+            return await self._publish_and_wait(event, attempt=record.failed_attempts, timeout=timeout)
+        except BusUnavailable:
+            await self._release_claim(event.write_id)
+            raise
+
+    async def _release_claim(self, write_id: str) -> None:
+        try:
+            async with self._sessions() as session:
+                await repo.release_write_claim(session, write_id)
+                await session.commit()
+        except SQLAlchemyError:  # the database is down too: the claim goes stale by itself
+            log.warning("could not release the claim of write %s", write_id, exc_info=True)
 
     async def _publish_and_wait(
         self, event: MemoryWriteRequested, *, attempt: int, timeout: float
@@ -80,6 +95,10 @@ class WriteGateway:
         future: asyncio.Future[MemoryWriteOutcome] = asyncio.get_running_loop().create_future()
         self._waiting[event.write_id] = future
         try:
+            if not self._nc.is_connected:
+                # Refused rather than buffered by the client: a buffered publish would reach the stream
+                # whenever the connection comes back, long after this caller was told 503.
+                raise BusUnavailable("not connected to NATS")
             try:
                 await self._js.publish(
                     bus.write_subject(event.memory_id, self._partitions),

@@ -42,6 +42,7 @@ class AppliedWrite:
     outcome: MemoryWriteOutcome
     change: EntryChangeKind | None  # what the change feed announces; None for skips and replays
     superseded_entry_id: str | None = None
+    replayed: bool = False  # the stored outcome of an earlier delivery: counted then, not again
 
 
 def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
@@ -113,7 +114,7 @@ class WriteApplier:
         await repo.lock_memory(session, event.memory_id)
         stored = await repo.get_write_outcome(session, event.write_id)
         if stored is not None and stored.status == "applied":
-            return AppliedWrite(outcome_of(stored), None)
+            return AppliedWrite(outcome_of(stored), None, replayed=True)
 
         memory = await session.get(Memory, event.memory_id)
         if memory is None or memory.project_id != event.project_id:
@@ -223,7 +224,7 @@ class WriteApplier:
         async with self._sessions.begin() as session:
             stored = await repo.get_write_outcome(session, event.write_id)
             if stored is not None and stored.status == "applied":
-                return AppliedWrite(outcome_of(stored), None)
+                return AppliedWrite(outcome_of(stored), None, replayed=True)
             failure = WriteOutcome(
                 write_id=event.write_id,
                 project_id=event.project_id,

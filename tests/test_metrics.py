@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -13,8 +16,15 @@ import pytest_asyncio
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from services.extractor.main import ExtractorService
+from services.writer.main import Writer
 from shared import bus, metrics
-from shared.embeddings import LOCAL_MODEL, register_local_provider
+from shared.agents import ExtractionConfig
+from shared.embeddings import LOCAL_MODEL, EmbeddingError, embed_texts, register_local_provider
+from shared.events import GenerationAgent, GenerationCompleted, MemoryWriteOutcome, MemoryWriteRequested
+from shared.extraction import gate
+from shared.providers import ResolutionError, resolve_targets
+from shared.scripted_llm import scripted_llm
 from shared.servers import free_port
 from shared.settings import Settings
 
@@ -101,17 +111,17 @@ def test_outcome_counters() -> None:
         count("memories_write_failures_total", code="EMBEDDING_UNAVAILABLE"),
         count("memories_dead_letters_total", origin="writer"),
         count("memories_extractions_total", outcome="written"),
-        count("memories_extraction_skips_total", reason="guard"),
+        count("memories_extraction_skips_total", reason="streamed"),
     ]
     metrics.observe_write_failure("EMBEDDING_UNAVAILABLE")
     metrics.observe_dead_letter("writer")
     metrics.observe_extraction("written")
-    metrics.observe_extraction_skip("guard")
+    metrics.observe_extraction_skip("streamed")
     after = [
         count("memories_write_failures_total", code="EMBEDDING_UNAVAILABLE"),
         count("memories_dead_letters_total", origin="writer"),
         count("memories_extractions_total", outcome="written"),
-        count("memories_extraction_skips_total", reason="guard"),
+        count("memories_extraction_skips_total", reason="streamed"),
     ]
     assert after == [value + 1 for value in before]
 
@@ -308,3 +318,202 @@ async def test_serve_metrics_follows_the_metrics_port_setting(settings: Settings
             assert (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
     finally:
         await server.stop()
+
+
+# --- the metrics as the services feed them ------------------------------------------------------------
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_posted_entry_counts_one_decision_its_latency_and_its_embeddings(
+    client: httpx.AsyncClient, memory: dict[str, Any], settings: Settings
+) -> None:
+    created = {"action": "created", "source_type": "manual"}
+    writes = {"model": settings.embedding_model, "purpose": "write"}
+    searches = {"model": settings.embedding_model, "purpose": "search"}
+    decided = count("memories_write_decisions_total", **created)
+    timed = count("memories_write_latency_seconds_count", source_type="manual")
+    waited = count("memories_write_latency_seconds_sum", source_type="manual")
+    write_embeddings = count("memories_embedding_seconds_count", **writes)
+    search_embeddings = count("memories_embedding_seconds_count", **searches)
+
+    posted = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Invoices go to Ana"})
+    assert posted.status_code == 201, posted.text
+
+    assert count("memories_write_decisions_total", **created) == decided + 1
+    assert count("memories_write_latency_seconds_count", source_type="manual") == timed + 1
+    assert 0 < count("memories_write_latency_seconds_sum", source_type="manual") - waited < 15
+    assert count("memories_embedding_seconds_count", **writes) >= write_embeddings + 1
+    assert count("memories_embedding_seconds_count", **searches) == search_embeddings
+
+    found = await client.post("/knowledge/search", json={"project_id": memory["project_id"], "query": "invoices"})
+    assert found.status_code == 200, found.text
+    assert count("memories_embedding_seconds_count", **searches) == search_embeddings + 1
+
+
+async def test_a_redelivered_write_is_answered_from_its_outcome_and_not_counted_again(
+    client: httpx.AsyncClient, memory: dict[str, Any], settings: Settings, nc: NatsClient
+) -> None:
+    content = "The warehouse closes at six"
+    posted = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": content})
+    assert posted.status_code == 201, posted.text
+    written = posted.json()
+    decided = count("memories_write_decisions_total", action="created", source_type="manual")
+    timed = count("memories_write_latency_seconds_count", source_type="manual")
+
+    # What JetStream does after a writer committed but its ack was lost: the same event once more.
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    again = MemoryWriteRequested(
+        event_id=written["write_id"],
+        project_id=memory["project_id"],
+        memory_id=memory["id"],
+        content=content,
+        reply_subject=inbox,
+    )
+    await nc.jetstream().publish(
+        bus.write_subject(memory["id"], settings.memories_partitions),
+        again.model_dump_json().encode(),
+        stream=bus.WRITES_STREAM,
+        headers={"Nats-Msg-Id": f"{again.write_id}.redelivered"},
+    )
+    outcome = MemoryWriteOutcome.model_validate_json((await replies.next_msg(timeout=15)).data)
+    await replies.unsubscribe()
+
+    assert outcome.action == "created" and outcome.entry_id == written["id"]
+    assert count("memories_write_decisions_total", action="created", source_type="manual") == decided
+    assert count("memories_write_latency_seconds_count", source_type="manual") == timed
+
+
+async def test_an_undecodable_write_is_dead_lettered_and_counted(
+    nc: NatsClient, settings: Settings, writers: list[Writer]
+) -> None:
+    dead = count("memories_dead_letters_total", origin="writer")
+    subject = bus.write_subject("mem_undecodable", settings.memories_partitions)
+    await nc.jetstream().publish(subject, b"not a write event", stream=bus.WRITES_STREAM)
+    await wait_for(lambda: count("memories_dead_letters_total", origin="writer") >= dead + 1)
+    await asyncio.sleep(0.2)  # nothing else was dead-lettered with it
+    assert count("memories_dead_letters_total", origin="writer") == dead + 1
+
+
+async def test_embed_texts_labels_its_calls_with_their_purpose() -> None:
+    labels = {"model": LOCAL_MODEL, "purpose": "search"}
+    calls = count("memories_embedding_seconds_count", **labels)
+    tokens = count("memories_embedding_tokens_total", **labels)
+    other_purpose = count("memories_embedding_seconds_count", model=LOCAL_MODEL, purpose="write")
+
+    await embed_texts(["where does the customer live"], model=LOCAL_MODEL, purpose="search")
+
+    assert count("memories_embedding_seconds_count", **labels) == calls + 1
+    assert count("memories_embedding_tokens_total", **labels) - tokens >= 5
+    assert count("memories_embedding_seconds_count", model=LOCAL_MODEL, purpose="write") == other_purpose
+
+    missing = "local/metrics-missing-model"
+    with pytest.raises(EmbeddingError):
+        await embed_texts(["x"], model=missing, purpose="search")
+    assert count("memories_embedding_errors_total", model=missing, purpose="search") == 1
+
+
+def turn(memory: dict[str, Any], model: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "project_id": memory["project_id"],
+        "generation_id": f"gen_metrics_{uuid.uuid4().hex[:12]}",
+        "agent": {"id": "agent_metrics", "model": model, "knowledge_config": config},
+        "messages": [{"role": "user", "content": "I keep my dashboards in Grafana."}],
+        "output": "Noted.",
+    }
+
+
+async def test_extraction_outcomes_skip_reasons_and_model_calls_are_counted(
+    client: httpx.AsyncClient, memory: dict[str, Any], extractors: list[ExtractorService]
+) -> None:
+    model = scripted_llm().script("metrics-extract", json.dumps(["The user keeps dashboards in Grafana"]))
+    called = {"model": model, "purpose": "extraction"}
+    completed = count("memories_extractions_total", outcome="completed")
+    skipped = count("memories_extractions_total", outcome="skipped")
+    disabled = count("memories_extraction_skips_total", reason="extraction_disabled")
+    extracted = count("memories_write_decisions_total", action="created", source_type="extraction")
+
+    for config in ({"writeMemoryId": memory["id"], "extraction": True}, {"writeMemoryId": memory["id"]}):
+        accepted = await client.post("/generations/completed", json=turn(memory, model, config))
+        assert accepted.status_code == 202, accepted.text
+    await wait_for(
+        lambda: count("memories_extractions_total", outcome="completed") > completed
+        and count("memories_extractions_total", outcome="skipped") > skipped
+    )
+
+    assert count("memories_extractions_total", outcome="completed") == completed + 1
+    assert count("memories_extractions_total", outcome="skipped") == skipped + 1
+    assert count("memories_extraction_skips_total", reason="extraction_disabled") == disabled + 1
+    assert count("memories_write_decisions_total", action="created", source_type="extraction") == extracted + 1
+    assert count("memories_llm_seconds_count", **called) == 1
+    assert count("memories_llm_tokens_total", **called, kind="prompt") > 0
+    assert count("memories_llm_tokens_total", **called, kind="completion") > 0
+
+
+def test_skip_reasons_become_a_bounded_label_set() -> None:
+    def gate_reason(**fields: Any) -> str | None:
+        agent = GenerationAgent(knowledge_config={"writeMemoryId": "mem_1"})
+        event = GenerationCompleted(event_id="evt_1", project_id="proj_1", generation_id="g", agent=agent, **fields)
+        return gate(event).reason
+
+    def resolution_reason(agent: GenerationAgent) -> str:
+        with pytest.raises(ResolutionError) as refused:
+            resolve_targets(ExtractionConfig(), agent, providers={}, routes={}, default_route_id=None)
+        return str(refused.value)
+
+    labels = {
+        gate_reason(streamed=True): "streamed",
+        gate_reason(status="requires_action"): "turn_not_completed",
+        gate_reason(status="a client's own words"): "turn_not_completed",
+        resolution_reason(GenerationAgent()): "no_model",
+        resolution_reason(GenerationAgent(model_route_id="route_gone")): "no_model",
+        resolution_reason(GenerationAgent(ai_provider_id="prov_gone")): "no_model",
+        "write_memory_id names no memory of this project": "unknown_memory",
+        "something new": "other",
+    }
+    assert {reason: metrics.extraction_skip_label(reason) for reason in labels} == labels
+    assert metrics.extraction_skip_label(None) == "other"
+
+
+async def test_a_writer_serves_metrics_and_probes_on_its_own_port(settings: Settings) -> None:
+    port = free_port()
+    deletions = (bus.GENERATIONS_STREAM, bus.WRITER_GENERATION_DELETIONS)
+    with suppress(KeyError):
+        metrics.CONSUMER_PENDING.remove(*deletions)
+    # Bound to no partition: it must not take writes from the session's writers.
+    writer = Writer(settings.model_copy(update={"memories_metrics_port": port}), partitions=[])
+    await writer.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            assert (await http.get("/healthz")).status_code == 200
+            assert (await http.get("/readyz")).status_code == 200
+            scraped = await http.get("/metrics")
+            assert scraped.status_code == 200
+            assert "# TYPE memories_write_decisions_total counter" in scraped.text
+        # Its lag poller reports the consumers it binds to (the shared deletion consumers here).
+        stream, consumer = deletions
+        await wait_for(lambda: sample("memories_consumer_pending", stream=stream, consumer=consumer) is not None)
+    finally:
+        await writer.stop()
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient(timeout=2) as http:
+            await http.get(f"http://127.0.0.1:{port}/healthz")
+
+
+async def test_an_extractor_serves_metrics_and_probes_on_its_own_port(settings: Settings) -> None:
+    port = free_port()
+    extractor = ExtractorService(settings.model_copy(update={"memories_metrics_port": port}), concurrency=1)
+    assert not extractor.is_ready()
+    await extractor.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            assert (await http.get("/healthz")).status_code == 200
+            assert (await http.get("/readyz")).status_code == 200
+            assert "# TYPE memories_extractions_total counter" in (await http.get("/metrics")).text
+    finally:
+        await extractor.stop()

@@ -12,8 +12,16 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from tests.conftest import make_settings, open_client
 
 RESULT_FIELDS = {
-    "source_type", "entry_id", "memory_id", "memory_name", "content", "tags", "score", "similarity_score",
-    "created_at", "updated_at",
+    "source_type",
+    "entry_id",
+    "memory_id",
+    "memory_name",
+    "content",
+    "tags",
+    "score",
+    "similarity_score",
+    "created_at",
+    "updated_at",
 }
 
 
@@ -24,7 +32,9 @@ async def new_memory(client: httpx.AsyncClient, project_id: str, name: str, tags
 
 
 async def write(client: httpx.AsyncClient, memory_id: str, content: str, **fields: Any) -> str:
-    response = await client.post("/memory-entries", json={"memory_id": memory_id, "content": content, **fields})
+    response = await client.post(
+        "/memory-entries", json={"memory_id": memory_id, "content": content, **fields}
+    )
     assert response.status_code == 201, response.text
     return str(response.json()["id"])
 
@@ -52,7 +62,7 @@ async def test_a_query_ranks_by_cosine_similarity(
     client: httpx.AsyncClient, project: dict[str, Any], memory: dict[str, Any], facts: dict[str, str]
 ) -> None:
     results = await search(client, project["id"], query="How does the customer want to be contacted?")
-    assert [r["entry_id"] for r in results][0] == facts["Customer prefers email over phone calls"]
+    assert results[0]["entry_id"] == facts["Customer prefers email over phone calls"]
     assert len(results) == len(FACTS) and all(set(r) == RESULT_FIELDS for r in results)
     scores = [r["score"] for r in results]
     assert scores == sorted(scores, reverse=True) and all(-1 <= s <= 1 for s in scores)
@@ -75,7 +85,9 @@ async def test_min_score_and_limit(
     assert len(await search(client, project["id"], query="customer", limit=1_000)) == len(FACTS)
 
 
-async def test_the_default_limit_is_ten(client: httpx.AsyncClient, project: dict[str, Any], memory: dict[str, Any]) -> None:
+async def test_the_default_limit_is_ten(
+    client: httpx.AsyncClient, project: dict[str, Any], memory: dict[str, Any]
+) -> None:
     for i in range(12):
         await write(client, memory["id"], f"Order number {i} shipped from warehouse {chr(65 + i)}")
     assert len(await search(client, project["id"], query="which orders shipped")) == 10
@@ -127,8 +139,12 @@ async def test_invalid_requests_are_400(
 
 async def test_the_admin_must_name_the_project(client: httpx.AsyncClient) -> None:
     response = await client.post("/knowledge/search", json={"query": "anything"})
-    assert response.status_code == 400 and response.json()["error"]["meta"]["missing_fields"] == ["project_id"]
-    unknown = await client.post("/knowledge/search", json={"query": "x", "project_id": "proj_0000000000000000"})
+    assert response.status_code == 400 and response.json()["error"]["meta"]["missing_fields"] == [
+        "project_id"
+    ]
+    unknown = await client.post(
+        "/knowledge/search", json={"query": "x", "project_id": "proj_0000000000000000"}
+    )
     assert unknown.status_code == 404
 
 
@@ -148,7 +164,9 @@ async def test_tags_select_whole_memories_and_single_entries_without_duplicates(
     untagged = await new_memory(client, project["id"], "Untagged", None)
     crm_plain = await write(client, crm, "Customer pays by card")
     crm_role = await write(client, crm, "Refunds need a manager's approval", tags=["role:traffic-manager"])
-    ops_role = await write(client, ops, "Reject refunds above $500", tags=["role:traffic-manager", "source:x"])
+    ops_role = await write(
+        client, ops, "Reject refunds above $500", tags=["role:traffic-manager", "source:x"]
+    )
     ops_plain = await write(client, ops, "Deploys happen on Tuesdays", tags=["role:developer"])
     loose = await write(client, untagged, "A fact nobody tagged")
 
@@ -179,7 +197,9 @@ async def test_invalidated_entries_never_appear(
 ) -> None:
     retired = facts["The office moved to Berlin in March"]
     async with sessions.begin() as session:
-        await session.execute(text("UPDATE memory_entries SET invalidated_at = now() WHERE id = :id"), {"id": retired})
+        await session.execute(
+            text("UPDATE memory_entries SET invalidated_at = now() WHERE id = :id"), {"id": retired}
+        )
     for body in (
         {"query": "Where is the office?"},
         {"query": "Where is the office?", "memory_ids": [memory["id"]]},
@@ -206,7 +226,11 @@ async def test_only_the_callers_project_is_searched(
         found = {r["entry_id"] for r in await search(client, project["id"], **body)}
         assert foreign not in found and found <= mine and found
     # A memory of another project, an unknown one or a malformed id contributes nothing (no 404).
-    for memory_ids in ([foreign_memory], ["mem_0000000000000000"], ["not-an-id", "mem_entry_0000000000000000"]):
+    for memory_ids in (
+        [foreign_memory],
+        ["mem_0000000000000000"],
+        ["not-an-id", "mem_entry_0000000000000000"],
+    ):
         assert await search(client, project["id"], query="customer email", memory_ids=memory_ids) == []
     seen_from_other = await search(client, other["id"], query="customer email")
     assert [r["entry_id"] for r in seen_from_other] == [foreign]
@@ -222,15 +246,21 @@ async def test_a_key_searches_its_own_project_and_needs_the_permission(
 
     allowed = await key(["knowledge:SearchKnowledge"])
     response = await client.post("/knowledge/search", json={"query": "customer"}, headers=allowed)
-    assert response.status_code == 200 and {r["entry_id"] for r in response.json()["results"]} == set(facts.values())
-    denied = await client.post("/knowledge/search", json={"query": "customer"}, headers=await key(["memories:*"]))
+    assert response.status_code == 200 and {r["entry_id"] for r in response.json()["results"]} == set(
+        facts.values()
+    )
+    denied = await client.post(
+        "/knowledge/search", json={"query": "customer"}, headers=await key(["memories:*"])
+    )
     assert denied.status_code == 403
 
 
 async def test_an_embedding_failure_is_503(server_urls: tuple[str, str], project: dict[str, Any]) -> None:
     broken = make_settings(server_urls, embedding_model="local/no-such-model")
     async for other_client in open_client(broken):
-        response = await other_client.post("/knowledge/search", json={"project_id": project["id"], "query": "x"})
+        response = await other_client.post(
+            "/knowledge/search", json={"project_id": project["id"], "query": "x"}
+        )
         assert response.status_code == 503 and response.json()["error"]["code"] == "SERVICE_UNAVAILABLE"
         # Without a query nothing is embedded, so listing still works.
         listed = await other_client.post(

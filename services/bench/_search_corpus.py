@@ -11,30 +11,50 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-FIRST = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Julia", "Kenji", "Lena", "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wei", "Ximena", "Yusuf", "Zoe", "Aaron", "Beatriz", "Carlos", "Dmitri", "Elif", "Fatima", "Gustav", "Hiro", "Ines", "Jonas", "Kamala", "Luca", "Mei", "Nikolai", "Olga", "Pablo", "Rania", "Sami", "Tomas", "Ulla", "Viktor", "Wanda", "Yara", "Zaid", "Amara", "Bilal", "Clara", "Diego", "Esther", "Felix", "Greta", "Hugo", "Ingrid", "Jamal", "Keiko", "Lars", "Maya", "Nils", "Oscar", "Paula", "Rafael", "Sofia", "Theo", "Valentina"]
-LAST = ["Smith", "Garcia", "Müller", "Rossi", "Novak", "Kowalski", "Tanaka", "Okafor", "Haddad", "Silva", "Jensen", "Dubois", "Ivanova", "Kim", "Patel", "Nguyen", "Cohen", "Schmidt", "Moreau", "Larsen", "Costa", "Yilmaz", "Andersson", "Fischer", "Romano", "Lopez", "Mendes", "Weber", "Petrov", "Hansen", "Berg", "Ali", "Sato", "Kaur", "Bianchi", "Varga", "Horvat", "Popescu", "Lindqvist", "Murphy"]
-CITIES = ["Lisbon", "Berlin", "Osaka", "Lagos", "Toronto", "Austin", "Lyon", "Krakow", "Nairobi", "Seoul", "Porto", "Denver", "Oslo", "Madrid", "Chennai", "Melbourne", "Dublin", "Prague", "Bogota", "Hamburg", "Milan", "Boston", "Helsinki", "Accra", "Quito", "Vienna", "Utrecht", "Ghent", "Bergen", "Tartu"]
-STREETS = ["Oak", "Maple", "Harbor", "Mill", "Station", "Church", "Garden", "Bridge", "River", "Market", "Park", "Hill", "Cedar", "Elm", "Lake"]
-CHANNELS = ["email", "phone", "text message", "video call", "post", "chat"]
-TEAMS = ["billing", "platform", "mobile", "data", "security", "support", "growth", "design", "finance", "logistics", "legal", "research"]
-TOOLS = ["Jira", "Linear", "Trello", "Asana", "Slack", "Teams", "Jenkins", "GitHub", "GitLab", "Confluence", "Notion", "Airflow", "Datadog", "Sentry"]
-FOODS = ["peanuts", "shellfish", "gluten", "lactose", "soy", "eggs", "sesame", "walnuts", "strawberries", "mustard", "celery", "kiwi"]
-PRODUCTS = ["Atlas", "Beacon", "Cobalt", "Drift", "Ember", "Fjord", "Granite", "Harbor", "Iris", "Juniper"]
-PLANS = ["free", "starter", "team", "business", "enterprise"]
-DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
-LANGS = ["Portuguese", "German", "Japanese", "French", "Spanish", "Polish", "Korean", "Italian", "Dutch", "Finnish", "Turkish", "Swedish"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"]
-ROLES = ["team lead", "product owner", "on-call engineer", "release manager", "account manager", "tech lead"]
-DEVICES = ["ThinkPad", "MacBook Pro", "Dell XPS", "Surface Laptop", "Framework laptop"]
-SYSTEMS = ["Linux", "macOS", "Windows 11", "ChromeOS"]
-ZONES = ["CET", "EST", "PST", "JST", "IST", "GMT", "AEST"]
+# Words that fill the slots of the templates, one slot kind a line ("|" separates multi-word values).
+_WORDS = """
+first: Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Julia Kenji Lena Marco Nadia Omar Priya Quinn Rosa Sven
+    Tara Umar Vera Wei Ximena Yusuf Zoe Aaron Beatriz Carlos Dmitri Elif Fatima Gustav Hiro Ines Jonas Kamala Luca
+    Mei Nikolai Olga Pablo Rania Sami Tomas Ulla Viktor Wanda Yara Zaid Amara Bilal Clara Diego Esther Felix Greta
+    Hugo Ingrid Jamal Keiko Lars Maya Nils Oscar Paula Rafael Sofia Theo Valentina
+last: Smith Garcia Müller Rossi Novak Kowalski Tanaka Okafor Haddad Silva Jensen Dubois Ivanova Kim Patel Nguyen
+    Cohen Schmidt Moreau Larsen Costa Yilmaz Andersson Fischer Romano Lopez Mendes Weber Petrov Hansen Berg Ali Sato
+    Kaur Bianchi Varga Horvat Popescu Lindqvist Murphy
+city: Lisbon Berlin Osaka Lagos Toronto Austin Lyon Krakow Nairobi Seoul Porto Denver Oslo Madrid Chennai Melbourne
+    Dublin Prague Bogota Hamburg Milan Boston Helsinki Accra Quito Vienna Utrecht Ghent Bergen Tartu
+street: Oak Maple Harbor Mill Station Church Garden Bridge River Market Park Hill Cedar Elm Lake
+channel: email phone text|message video|call post chat
+team: billing platform mobile data security support growth design finance logistics legal research
+tool: Jira Linear Trello Asana Slack Teams Jenkins GitHub GitLab Confluence Notion Airflow Datadog Sentry
+food: peanuts shellfish gluten lactose soy eggs sesame walnuts strawberries mustard celery kiwi
+product: Atlas Beacon Cobalt Drift Ember Fjord Granite Harbor Iris Juniper
+plan: free starter team business enterprise
+day: Monday Tuesday Wednesday Thursday Friday
+lang: Portuguese German Japanese French Spanish Polish Korean Italian Dutch Finnish Turkish Swedish
+month: January February March April May June July August September October November December
+role: team|lead product|owner on-call|engineer release|manager account|manager tech|lead
+device: ThinkPad MacBook|Pro Dell|XPS Surface|Laptop Framework|laptop
+os: Linux macOS Windows|11 ChromeOS
+tz: CET EST PST JST IST GMT AEST
+"""
+
+
+def _parse_words(block: str) -> dict[str, list[str]]:
+    words: dict[str, list[str]] = {}
+    for line in block.replace("\n    ", " ").strip().splitlines():
+        kind, _, values = line.partition(": ")
+        words[kind] = [value.replace("|", " ") for value in values.split()]
+    return words
+
+
+WORDS = _parse_words(_WORDS)
 
 # kind -> (statement paraphrases, question forms)
+# fmt: off
 KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "contact": (
         ("{person} prefers {channel} over {channel2}",
@@ -108,6 +128,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("What time zone is {person} in?", "Where is {person} based?"),
     ),
 }
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -125,17 +146,21 @@ class Fact:
 
 
 def _slots(rng: random.Random) -> dict[str, str]:
-    channel, channel2 = rng.sample(CHANNELS, 2)
-    tool, tool2 = rng.sample(TOOLS, 2)
-    return {
-        "person": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "channel": channel, "channel2": channel2,
-        "num": str(rng.randint(1, 299)), "street": rng.choice(STREETS), "city": rng.choice(CITIES),
-        "team": rng.choice(TEAMS), "tool": tool, "tool2": tool2, "food": rng.choice(FOODS),
-        "product": rng.choice(PRODUCTS), "plan": rng.choice(PLANS), "day": rng.choice(DAYS),
-        "hour": f"{rng.randint(8, 17)}:{rng.choice(['00', '30'])}", "lang": rng.choice(LANGS),
-        "month": rng.choice(MONTHS), "dom": str(rng.randint(1, 28)), "amount": str(rng.choice([50, 100, 250, 500])),
-        "role": rng.choice(ROLES), "device": rng.choice(DEVICES), "os": rng.choice(SYSTEMS), "tz": rng.choice(ZONES),
+    def pick(kind: str) -> str:
+        return rng.choice(WORDS[kind])
+
+    channel, channel2 = rng.sample(WORDS["channel"], 2)
+    tool, tool2 = rng.sample(WORDS["tool"], 2)
+    # fmt: off
+    return {  # drawn in this order, so that a seed always makes the same corpus
+        "person": f"{pick('first')} {pick('last')}", "channel": channel, "channel2": channel2,
+        "num": str(rng.randint(1, 299)), "street": pick("street"), "city": pick("city"), "team": pick("team"),
+        "tool": tool, "tool2": tool2, "food": pick("food"), "product": pick("product"), "plan": pick("plan"),
+        "day": pick("day"), "hour": f"{rng.randint(8, 17)}:{rng.choice(['00', '30'])}", "lang": pick("lang"),
+        "month": pick("month"), "dom": str(rng.randint(1, 28)), "amount": str(rng.choice([50, 100, 250, 500])),
+        "role": pick("role"), "device": pick("device"), "os": pick("os"), "tz": pick("tz"),
     }
+    # fmt: on
 
 
 @dataclass(frozen=True)
@@ -148,29 +173,32 @@ class Entry:
 
 def corpus(entries: int, memories: int, seed: int) -> tuple[list[Fact], list[Entry]]:
     """`entries` paraphrases of about entries/3 facts; a fact's paraphrases live in one memory, as
-    restatements of one fact do. Every entry has a `source:` tag; one in fifty is also `flag:escalated`."""
+    restatements of one fact do. No text appears twice (the writer would skip an exact copy, and copies
+    are what a vector index handles worst). Every entry has a `source:` tag; one in fifty is also
+    `flag:escalated`."""
     rng = random.Random(seed)
     kinds = sorted(KINDS)
     facts: list[Fact] = []
     rows: list[Entry] = []
+    seen: set[str] = set()
     while len(rows) < entries:
         fact = Fact(rng.choice(kinds), _slots(rng))
         facts.append(fact)
         memory = rng.randrange(memories)
-        for variant in rng.sample(range(len(KINDS[fact.kind][0])), k=rng.randint(1, len(KINDS[fact.kind][0]))):
+        for variant in rng.sample(
+            range(len(KINDS[fact.kind][0])), k=rng.randint(1, len(KINDS[fact.kind][0]))
+        ):
             tags = [f"source:{rng.choice(['chat', 'email', 'ticket', 'crm'])}"]
             if rng.random() < 0.02:
                 tags.append("flag:escalated")
-            rows.append(Entry(len(facts) - 1, fact.statement(variant), memory, tags))
+            content = fact.statement(variant)
+            if content in seen:
+                continue
+            seen.add(content)
+            rows.append(Entry(len(facts) - 1, content, memory, tags))
             if len(rows) == entries:
                 break
     return facts, rows
-
-
-def questions(facts: list[Fact], count: int, seed: int) -> Iterator[str]:
-    rng = random.Random(seed + 1)
-    for _ in range(count):
-        yield rng.choice(facts).question(rng.randrange(2))
 
 
 def memory_tags(index: int) -> list[str]:
@@ -184,7 +212,10 @@ class HashedEmbedder:
     they land close together; it is thousands of times faster than MiniLM, and not a language model."""
 
     name = "hashed-bag-of-words-384"
-    _STOP = frozenset(["a", "an", "the", "is", "of", "on", "in", "at", "to", "for", "and", "or", "by", "with", "be", "was", "are", "has", "its", "their", "they"])
+    # fmt: off
+    _STOP = frozenset(("a", "an", "the", "is", "of", "on", "in", "at", "to", "for", "and", "or", "by", "with", "be",
+                       "was", "are", "has", "its", "their", "they"))
+    # fmt: on
 
     def __init__(self, dimensions: int = 384) -> None:
         self.dimensions = dimensions

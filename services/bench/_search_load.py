@@ -58,18 +58,23 @@ def hashed_embedder() -> BenchEmbedder:
     stand_in = HashedEmbedder()
 
     class Handler(CustomLLM):
-        async def aembedding(self, model: str, input: list[Any], model_response: EmbeddingResponse,
-                             *args: Any, **kwargs: Any) -> EmbeddingResponse:
+        async def aembedding(
+            self, model: str, input: list[Any], model_response: EmbeddingResponse, *args: Any, **kwargs: Any
+        ) -> EmbeddingResponse:
             vectors = stand_in.embed([str(text) for text in input])
-            model_response.data = [{"object": "embedding", "index": i, "embedding": v.tolist()}
-                                   for i, v in enumerate(vectors)]
+            model_response.data = [
+                {"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)
+            ]
             return model_response
 
     register_local_provider()
     others = [p for p in (litellm.custom_provider_map or []) if p.get("provider") != "bench"]
     litellm.custom_provider_map = [*others, {"provider": "bench", "custom_handler": Handler()}]
-    return BenchEmbedder(f"bench/{stand_in.name}", f"{stand_in.name} (deterministic stand-in, not a language model)",
-                         stand_in.embed)
+    return BenchEmbedder(
+        f"bench/{stand_in.name}",
+        f"{stand_in.name} (deterministic stand-in, not a language model)",
+        stand_in.embed,
+    )
 
 
 @dataclass
@@ -88,8 +93,15 @@ def _connect(database_url: str) -> psycopg.Connection[Any]:
     return conn
 
 
-def load(database_url: str, *, entries: int, memories: int, seed: int, embedder: BenchEmbedder,
-         rebuild_indexes: bool) -> LoadedCorpus:
+def load(
+    database_url: str,
+    *,
+    entries: int,
+    memories: int,
+    seed: int,
+    embedder: BenchEmbedder,
+    rebuild_indexes: bool,
+) -> LoadedCorpus:
     """The corpus in a project of its own, named after what shaped it, so a second run with the same
     arguments reuses it. `rebuild_indexes` (only on a server the benchmark owns) drops the search indexes
     for the COPY and builds them again with the migrations' very definitions, as a bulk load would."""
@@ -98,10 +110,16 @@ def load(database_url: str, *, entries: int, memories: int, seed: int, embedder:
     with _connect(database_url) as conn:
         found = conn.execute(
             "SELECT p.id, (SELECT count(*) FROM memory_entries e WHERE e.project_id = p.id) FROM projects p "
-            "WHERE p.name = %s", (name,)).fetchone()
+            "WHERE p.name = %s",
+            (name,),
+        ).fetchone()
         if found is not None and found[1] == entries:
-            memory_ids = [r[0] for r in conn.execute(
-                "SELECT id FROM memories WHERE project_id = %s ORDER BY name", (found[0],))]
+            memory_ids = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT id FROM memories WHERE project_id = %s ORDER BY name", (found[0],)
+                )
+            ]
             return LoadedCorpus(found[0], memory_ids, facts, rows, reused=True)
         if found is not None:  # an interrupted load
             conn.execute("DELETE FROM projects WHERE id = %s", (found[0],))
@@ -120,7 +138,8 @@ def load(database_url: str, *, entries: int, memories: int, seed: int, embedder:
         with conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO memories (id, project_id, name, tags) VALUES (%s, %s, %s, %s)",
-                [(mid, project_id, f"Account {i:03d}", memory_tags(i)) for i, mid in enumerate(memory_ids)])
+                [(mid, project_id, f"Account {i:03d}", memory_tags(i)) for i, mid in enumerate(memory_ids)],
+            )
         definitions = _drop_search_indexes(conn) if rebuild_indexes else []
         _copy_entries(conn, project_id, memory_ids, rows, vectors, embedder.model)
         seconds["copy"] = time.perf_counter() - started
@@ -137,23 +156,60 @@ def load(database_url: str, *, entries: int, memories: int, seed: int, embedder:
 
 
 def _drop_search_indexes(conn: psycopg.Connection[Any]) -> list[str]:
-    definitions = [r[0] for r in conn.execute(
-        "SELECT indexdef FROM pg_indexes WHERE tablename = 'memory_entries' AND indexname = ANY(%s) ORDER BY indexname",
-        (list(REBUILT_INDEXES),))]
+    definitions = [
+        r[0]
+        for r in conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'memory_entries' AND indexname = ANY(%s) ORDER BY indexname",
+            (list(REBUILT_INDEXES),),
+        )
+    ]
     for index in REBUILT_INDEXES:
         conn.execute(f"DROP INDEX IF EXISTS {index}")
     return definitions
 
 
-def _copy_entries(conn: psycopg.Connection[Any], project_id: str, memory_ids: list[str], rows: list[Entry],
-                  vectors: np.ndarray, model: str) -> None:
+def _copy_entries(
+    conn: psycopg.Connection[Any],
+    project_id: str,
+    memory_ids: list[str],
+    rows: list[Entry],
+    vectors: np.ndarray,
+    model: str,
+) -> None:
     # Distinct creation times keep the listing order (created_at, then id) that of the corpus.
     epoch = datetime(2026, 1, 1, tzinfo=UTC)
     columns = "id, memory_id, project_id, content, content_hash, embedding, embedding_model, tags, created_at, updated_at"
-    with conn.cursor() as cur, cur.copy(f"COPY memory_entries ({columns}) FROM STDIN WITH (FORMAT BINARY)") as copy:
-        copy.set_types(["varchar", "varchar", "varchar", "text", "varchar", "vector", "varchar", "text[]",
-                        "timestamptz", "timestamptz"])
+    with (
+        conn.cursor() as cur,
+        cur.copy(f"COPY memory_entries ({columns}) FROM STDIN WITH (FORMAT BINARY)") as copy,
+    ):
+        copy.set_types(
+            [
+                "varchar",
+                "varchar",
+                "varchar",
+                "text",
+                "varchar",
+                "vector",
+                "varchar",
+                "text[]",
+                "timestamptz",
+                "timestamptz",
+            ]
+        )
         for i, (row, vector) in enumerate(zip(rows, vectors, strict=True)):
             at = epoch + timedelta(milliseconds=i)
-            copy.write_row([new_id(ENTRY_PREFIX), memory_ids[row.memory], project_id, row.content,
-                            content_hash(row.content), vector, model, row.tags, at, at])
+            copy.write_row(
+                [
+                    new_id(ENTRY_PREFIX),
+                    memory_ids[row.memory],
+                    project_id,
+                    row.content,
+                    content_hash(row.content),
+                    vector,
+                    model,
+                    row.tags,
+                    at,
+                    at,
+                ]
+            )

@@ -17,13 +17,14 @@ from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
-from shared import bus
+from shared import bus, metrics
 from shared.db.session import create_engine, session_factory
 from shared.events import ExtractionCompleted, GenerationCompleted
 from shared.extraction import ExtractionResult, Extractor, WritesPending
 from shared.ids import new_id
 from shared.lifecycle import wait_for_shutdown_signal
 from shared.llm import LlmError
+from shared.logs import log_context
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 
@@ -38,6 +39,8 @@ class ExtractorService:
         self._engine = create_engine(settings.database_url, pool_size=4)
         self._nc: NatsClient | None = None
         self._extractor: Extractor | None = None
+        self._metrics_server: metrics.MetricsServer | None = None
+        self._lag_poller: asyncio.Task[None] | None = None
 
         @self.broker.subscriber(
             f"{bus.GENERATION_COMPLETED_ROOT}.*",
@@ -68,15 +71,30 @@ class ExtractorService:
             service_model=self.settings.memories_merge_model,
         )
         await self.broker.start()
+        self._lag_poller = asyncio.create_task(
+            metrics.run_lag_poller(self._nc.jetstream(), metrics.queue_consumers(self.settings)),
+            name="extractor-lag-poller",
+        )
+        self._metrics_server = await metrics.serve_metrics(self.settings, ready=self.is_ready)
+
+    def is_ready(self) -> bool:
+        """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""
+        return self._extractor is not None and self._nc is not None and self._nc.is_connected
 
     async def stop(self) -> None:
+        if self._lag_poller is not None:
+            self._lag_poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_poller
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
         await self.broker.stop()
         if self._nc is not None:
             await self._nc.drain()
         await self._engine.dispose()
 
     async def handle(self, message: NatsMessage) -> None:
-        assert self._extractor is not None and self._nc is not None
+        assert self._nc is not None
         raw = message.raw_message
         js = self._nc.jetstream()
         try:
@@ -85,7 +103,12 @@ class ExtractorService:
             await bus.dead_letter(js, "extractor", raw.subject, message.body, reason=f"invalid event: {exc.errors()[:3]}")
             await message.ack()
             return
+        # Every line logged for this turn names it, the write gateway's included.
+        with log_context(generation_id=event.generation_id, project_id=event.project_id):
+            await self._handle_event(message, event)
 
+    async def _handle_event(self, message: NatsMessage, event: GenerationCompleted) -> None:
+        assert self._extractor is not None
         heartbeat = asyncio.create_task(self._keep_in_progress(message))
         try:
             result = await self._extractor.extract(event)
@@ -93,13 +116,14 @@ class ExtractorService:
             await self._retry_or_give_up(message, event, str(exc))
             return
         except Exception:  # noqa: BLE001 - database or bus trouble: let JetStream redeliver
-            log.exception("extraction failed", extra={"generation_id": event.generation_id})
+            log.exception("extraction failed")
             await message.nack(delay=2.0)
             return
         finally:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+        _count(result)
         await message.ack()
         await self._announce(event, result)
 
@@ -118,6 +142,7 @@ class ExtractorService:
             await message.nack(delay=min(self.settings.memories_retry_backoff_s * 2**delivered, 30.0))
             return
         result = await self._extractor.record_failure(event, reason)
+        _count(result)
         await bus.dead_letter(self._nc.jetstream(), "extractor", raw.subject, message.body, reason=reason)
         await message.ack()
         await self._announce(event, result)
@@ -140,7 +165,14 @@ class ExtractorService:
                 stream=bus.GENERATIONS_STREAM,
             )
         except Exception:  # noqa: BLE001
-            log.exception("could not publish the extraction summary", extra={"generation_id": event.generation_id})
+            log.exception("could not publish the extraction summary")
+
+
+def _count(result: ExtractionResult) -> None:
+    metrics.observe_extraction(result.status)
+    if result.status == "skipped":
+        metrics.observe_extraction_skip(result.reason)
+    log.info("extraction %s", result.status, extra={"reason": result.reason, "model": result.model})
 
 
 async def run(settings: Settings) -> None:

@@ -6,15 +6,17 @@ any other failure (database or bus down) is retried with backoff and dead-letter
 
 from __future__ import annotations
 
+import json
 import logging
 
 from faststream.nats.message import NatsMessage
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
-from shared import bus
+from shared import bus, metrics
 from shared.events import MemoryEntryChanged, MemoryWriteRequested
 from shared.ids import new_id
+from shared.logs import log_context
 from shared.settings import Settings
 from shared.writes import AppliedWrite, WriteApplier
 
@@ -34,9 +36,16 @@ class WriteHandler:
         try:
             event = MemoryWriteRequested.model_validate_json(message.body)
         except ValidationError as exc:
-            await self.dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
+            with log_context(**_ids_of_undecodable(raw.subject, message.body)):
+                await self.dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
             await message.ack()
             return
+        # Every line logged while this write is handled, here or in shared code, names it.
+        with log_context(write_id=event.write_id, memory_id=event.memory_id):
+            await self._handle_event(message, event)
+
+    async def _handle_event(self, message: NatsMessage, event: MemoryWriteRequested) -> None:
+        raw = message.raw_message
         if not raw.subject.endswith(f".{event.memory_id}"):
             await self.dead_letter(raw.subject, message.body, reason="subject does not name the event's memory")
             await message.ack()
@@ -46,11 +55,7 @@ class WriteHandler:
             applied = await self._applier.apply(event)
         except Exception as exc:
             delivered = raw.metadata.num_delivered if raw.metadata else 1
-            log.warning(
-                "write failed, will retry",
-                extra={"write_id": event.write_id, "memory_id": event.memory_id, "attempt": delivered},
-                exc_info=exc,
-            )
+            log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
             if delivered >= self._max_deliver:
                 await self.dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
                 await message.ack()
@@ -58,16 +63,17 @@ class WriteHandler:
                 await message.nack(delay=min(self._backoff * 2**delivered, 30.0))
             return
 
+        # Counted at commit, before the ack: a lost ack comes back as a replay and is not counted twice.
+        _count(event, applied)
         await message.ack()
-        log.info(
-            "write decided",
-            extra={
-                "write_id": event.write_id,
-                "memory_id": event.memory_id,
-                "action": applied.outcome.action,
-                "entry_id": applied.outcome.entry_id,
-            },
-        )
+        outcome = applied.outcome
+        if outcome.error is not None:
+            log.warning("write failed", extra={"error_code": outcome.error.code, "error": outcome.error.message})
+        else:
+            log.info(
+                "write decided",
+                extra={"action": outcome.action, "entry_id": outcome.entry_id, "replayed": applied.replayed},
+            )
         await self._announce(event, applied)
 
     async def _announce(self, event: MemoryWriteRequested, applied: AppliedWrite) -> None:
@@ -92,7 +98,28 @@ class WriteHandler:
                     headers={"Nats-Msg-Id": f"{event.write_id}:{applied.change.value}"},
                 )
             except Exception:
-                log.exception("could not publish change event", extra={"write_id": event.write_id})
+                log.exception("could not publish change event", extra={"change": applied.change.value})
 
     async def dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
         await bus.dead_letter(self._js, "writer", subject, body, reason=reason)
+
+
+def _count(event: MemoryWriteRequested, applied: AppliedWrite) -> None:
+    if applied.replayed:
+        return
+    outcome = applied.outcome
+    if outcome.error is not None:
+        metrics.observe_write_failure(outcome.error.code)
+    elif outcome.action is not None:
+        metrics.observe_write_decision(outcome.action.value, event.source_type.value, event.occurred_at)
+
+
+def _ids_of_undecodable(subject: str, body: bytes) -> dict[str, str | None]:
+    """What a log line can still say about a write event that does not validate: the memory id is the
+    subject's last token, the write id (the event id) whatever the payload holds, if it parses at all."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    found = payload.get("event_id") if isinstance(payload, dict) else None
+    return {"write_id": found if isinstance(found, str) else None, "memory_id": subject.rsplit(".", 1)[-1]}

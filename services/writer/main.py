@@ -7,6 +7,8 @@ all of them. The database lock and the write-outcome table make redeliveries har
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -17,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 
 from services.writer.handler import WriteHandler
 from services.writer.provenance import ProvenanceHandler
-from shared import bus
+from shared import bus, metrics
 from shared.batching import BatchingEmbedder
 from shared.db.session import create_engine, session_factory
 from shared.embeddings import embed_texts
@@ -26,6 +28,12 @@ from shared.settings import Settings
 from shared.writes import WriteApplier
 
 log = logging.getLogger("memories.writer")
+
+_DELETIONS = (
+    (bus.WRITER_GENERATION_DELETIONS, f"{bus.GENERATION_DELETED_ROOT}.*"),
+    (bus.WRITER_CONVERSATION_DELETIONS, f"{bus.CONVERSATION_DELETED_ROOT}.*"),
+)
+"""(durable, subject) of the deletion consumers every writer replica shares with the others."""
 
 
 class Writer:
@@ -36,16 +44,15 @@ class Writer:
         self.settings = settings
         self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
         self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=10.0, logger=None)
-        self._engine = create_engine(settings.database_url, pool_size=4)
+        self._engine = create_engine(settings.database_url, pool_size=8, pre_ping=False)
         self._nc: NatsClient | None = None
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
+        self._metrics_server: metrics.MetricsServer | None = None
+        self._lag_poller: asyncio.Task[None] | None = None
         for partition in self.partitions:
             self._subscribe(partition)
-        for durable, subject in (
-            (bus.WRITER_GENERATION_DELETIONS, f"{bus.GENERATION_DELETED_ROOT}.*"),
-            (bus.WRITER_CONVERSATION_DELETIONS, f"{bus.CONVERSATION_DELETED_ROOT}.*"),
-        ):
+        for durable, subject in _DELETIONS:
             self._subscribe_deletions(durable, subject)
 
     def _subscribe(self, partition: int) -> None:
@@ -86,7 +93,7 @@ class Writer:
         dimensions = self.settings.embedding_dimensions
 
         async def embed_batch(texts: list[str]) -> list[list[float]]:
-            return await embed_texts(texts, model=model, dimensions=dimensions)
+            return await embed_texts(texts, model=model, dimensions=dimensions, purpose=metrics.Purpose.WRITE)
 
         applier = WriteApplier(
             session_factory(self._engine),
@@ -99,9 +106,28 @@ class Writer:
         self._handler = WriteHandler(applier, self._nc, self.settings)
         self._provenance = ProvenanceHandler(session_factory(self._engine), self._handler.dead_letter)
         await self.broker.start()
+        self._lag_poller = asyncio.create_task(
+            metrics.run_lag_poller(self._nc.jetstream(), self._consumers()), name="writer-lag-poller"
+        )
+        self._metrics_server = await metrics.serve_metrics(self.settings, ready=self.is_ready)
         log.info("writer consuming partitions %s", _ranges(self.partitions))
 
+    def _consumers(self) -> list[metrics.ConsumerRef]:
+        """What this replica consumes, so its lag shows while it runs: its partitions and the deletions."""
+        deletions = [(bus.GENERATIONS_STREAM, durable) for durable, _ in _DELETIONS]
+        return metrics.writer_consumers(self.settings, self.partitions) + deletions
+
+    def is_ready(self) -> bool:
+        """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""
+        return self._handler is not None and self._nc is not None and self._nc.is_connected
+
     async def stop(self) -> None:
+        if self._lag_poller is not None:
+            self._lag_poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_poller
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
         await self.broker.stop()
         if self._nc is not None:
             await self._nc.drain()

@@ -45,15 +45,19 @@ def register_local_provider() -> None:
     _provider.register()
 
 
-async def embed_texts(texts: list[str], *, model: str, dimensions: int | None = None) -> list[list[float]]:
+async def embed_texts(
+    texts: list[str], *, model: str, dimensions: int | None = None, purpose: str = "write"
+) -> list[list[float]]:
     """One L2-normalised vector per text, in order, from one litellm call for the whole batch.
 
     `dimensions`, when given, is both asked of providers that can shorten their vectors and
-    checked on every returned vector.
+    checked on every returned vector. `purpose` (a `shared.metrics.Purpose`) labels the call's metrics.
     """
     if not texts:
         return []
     register_local_provider()
+    from shared import metrics  # imported on first use, like litellm: importing this package stays cheap
+
     from ._provider import litellm
 
     kwargs: dict[str, Any] = {}
@@ -61,11 +65,14 @@ async def embed_texts(texts: list[str], *, model: str, dimensions: int | None = 
         # litellm rejects `dimensions` for custom providers outright, and for remote models that
         # cannot shorten; drop_params turns that into "ignored", and the length check below decides.
         kwargs.update(dimensions=dimensions, drop_params=True)
-    try:
-        response = await litellm.aembedding(model=model, input=list(texts), **kwargs)
-    except Exception as exc:  # litellm maps provider failures onto many exception types
-        raise EmbeddingError(model, f"{type(exc).__name__}: {exc}") from exc
-    return _unit_vectors(response, model, len(texts), dimensions)
+    # An unusable answer counts as a failed call too: for the caller it is one.
+    with metrics.track_embedding(model, purpose) as call:
+        try:
+            response = await litellm.aembedding(model=model, input=list(texts), **kwargs)
+        except Exception as exc:  # litellm maps provider failures onto many exception types
+            raise EmbeddingError(model, f"{type(exc).__name__}: {exc}") from exc
+        call.record_usage(response)
+        return _unit_vectors(response, model, len(texts), dimensions)
 
 
 def _unit_vectors(response: Any, model: str, expected: int, dimensions: int | None) -> list[list[float]]:

@@ -152,7 +152,10 @@ async def update_entry(
         if body.content != entry.content:
             try:
                 [vector] = await embed_texts(
-                    [body.content], model=settings.embedding_model, dimensions=settings.embedding_dimensions
+                    [body.content],
+                    model=settings.embedding_model,
+                    dimensions=settings.embedding_dimensions,
+                    purpose="write",
                 )
             except EmbeddingError as exc:
                 raise ApiError(503, str(exc)) from exc

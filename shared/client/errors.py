@@ -1,0 +1,92 @@
+"""Typed errors of the client: one class per status of the API's envelope `{"error": {code, message, meta}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class MemoriesError(Exception):
+    """A failed call. `status` is the HTTP status (None when no response arrived); `code`, `message` and
+    `meta` are the envelope's."""
+
+    def __init__(
+        self, status: int | None, code: str, message: str, meta: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+        self.meta: dict[str, Any] = meta or {}
+
+
+class ValidationFailed(MemoriesError):
+    """400: `meta` may name `unknown_fields`, `missing_fields` or `invalid_fields`."""
+
+
+class Unauthorized(MemoriesError):
+    """401: no token, or not one the service knows."""
+
+
+class Forbidden(MemoriesError):
+    """403: the key does not hold the action."""
+
+
+class NotFound(MemoriesError):
+    """404: also what a resource of another project looks like."""
+
+
+class Conflict(MemoriesError):
+    """409."""
+
+
+class PayloadTooLarge(MemoriesError):
+    """413."""
+
+
+class ServiceUnavailable(MemoriesError):
+    """503: the database or the bus is down; retrying (with the same Idempotency-Key) is safe."""
+
+
+class ConnectionFailed(MemoriesError):
+    """No HTTP response at all: the service is unreachable or the connection broke."""
+
+
+_BY_STATUS: dict[int, type[MemoriesError]] = {
+    400: ValidationFailed,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    503: ServiceUnavailable,
+}
+
+
+def error_of(response: httpx.Response) -> MemoriesError:
+    """The typed error of a failed response, also when a proxy in between answered without an envelope."""
+    code, message, meta = f"HTTP_{response.status_code}", response.reason_phrase or "request failed", None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    envelope = body.get("error") if isinstance(body, dict) else None
+    if isinstance(envelope, dict):
+        code = str(envelope.get("code") or code)
+        message = str(envelope.get("message") or message)
+        meta = envelope.get("meta") if isinstance(envelope.get("meta"), dict) else None
+    kind = _BY_STATUS.get(response.status_code, MemoriesError)
+    return kind(response.status_code, code, message, meta)
+
+
+def raise_for_error(response: httpx.Response) -> httpx.Response:
+    if response.is_error:
+        raise error_of(response)
+    return response
+
+
+def connection_failed(exc: httpx.TransportError, url: str) -> ConnectionFailed:
+    return ConnectionFailed(
+        None, "CONNECTION_FAILED", f"cannot reach {url}: {str(exc) or type(exc).__name__}"
+    )

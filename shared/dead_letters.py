@@ -1,0 +1,137 @@
+"""Reading and replaying the DEAD_LETTERS stream (`memories dlq list|replay`).
+
+A dead letter is the envelope `shared.bus.dead_letter` wrote: the original subject, the reason and the body.
+Replaying republishes the body to its original subject, into the stream that owns that subject, then deletes
+the dead letter. Every consumer is idempotent by its event id, so replaying a message that was in fact
+processed has no second effect.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from shared import bus
+
+REPLAY_MSG_ID_PREFIX = "dlq-replay"
+"""Replays carry `dlq-replay.<dead letter seq>` as Nats-Msg-Id: new to the duplicate window, which still
+dropped the original id, yet the same when one replay is retried after a crash before the delete."""
+
+_GENERATION_ROOTS = ("generations.", "conversations.")  # the subjects of bus.GENERATIONS_STREAM
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    sequence: int
+    time: datetime | None
+    origin: str
+    origin_subject: str
+    reason: str
+    body: str
+
+    def as_json(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["time"] = self.time.isoformat() if self.time else None
+        return values
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    sequence: int
+    subject: str
+    stream: str | None
+    error: str | None = None  # None: republished and removed from DEAD_LETTERS
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def stream_of(subject: str) -> str | None:
+    """The stream whose subjects include `subject`, or None for a subject no stream of ours takes."""
+    if subject.startswith(f"{bus.WRITE_SUBJECT_ROOT}."):
+        return bus.WRITES_STREAM
+    if subject.startswith(_GENERATION_ROOTS):
+        return bus.GENERATIONS_STREAM
+    return None
+
+
+def _filter(origin: str | None) -> str:
+    return bus.dead_letter_subject(origin) if origin else f"{bus.DEAD_LETTER_ROOT}.>"
+
+
+def _decode(sequence: int, subject: str, time: datetime | None, data: bytes | None) -> DeadLetter:
+    origin = subject.removeprefix(f"{bus.DEAD_LETTER_ROOT}.")
+    try:
+        envelope = json.loads(data or b"")
+        return DeadLetter(sequence, time, origin, str(envelope["origin_subject"]), str(envelope["reason"]),
+                          str(envelope["body"]))
+    except (ValueError, KeyError, TypeError):
+        # Not written by bus.dead_letter: shown, never replayed.
+        return DeadLetter(sequence, time, origin, "", "unreadable dead-letter envelope",
+                          (data or b"").decode("utf-8", "replace"))
+
+
+async def get_dead_letter(js: JetStreamContext, sequence: int) -> DeadLetter | None:
+    try:
+        raw = await js.get_msg(bus.DEAD_LETTER_STREAM, seq=sequence)
+    except NotFoundError:
+        return None
+    return _decode(sequence, raw.subject or "", raw.time, raw.data)
+
+
+async def list_dead_letters(
+    js: JetStreamContext, *, origin: str | None = None, limit: int | None = None
+) -> list[DeadLetter]:
+    """The oldest `limit` dead letters (all when None), optionally of one origin (`writer`, `extractor`)."""
+    found: list[DeadLetter] = []
+    sequence = 1
+    while limit is None or len(found) < limit:
+        try:
+            # "Next message at or after seq on this filter": deleted (replayed) sequences cost nothing.
+            raw = await js.get_msg(bus.DEAD_LETTER_STREAM, seq=sequence, subject=_filter(origin), next=True)
+        except NotFoundError:
+            break
+        assert raw.seq is not None
+        found.append(_decode(raw.seq, raw.subject or "", raw.time, raw.data))
+        sequence = raw.seq + 1
+    return found
+
+
+async def replay(js: JetStreamContext, sequences: list[int]) -> list[Replayed]:
+    """Republish each dead letter to its original subject and delete it; one result per sequence."""
+    results: list[Replayed] = []
+    for sequence in sequences:
+        letter = await get_dead_letter(js, sequence)
+        if letter is None:
+            results.append(Replayed(sequence, "", None, "no such dead letter"))
+            continue
+        results.append(await _replay_one(js, letter))
+    return results
+
+
+async def replay_all(js: JetStreamContext, *, origin: str | None = None) -> list[Replayed]:
+    """Replay every dead letter present now (of one origin, or all). Those that fail again come back later,
+    with new sequences, and are not replayed a second time by this call."""
+    letters = await list_dead_letters(js, origin=origin)
+    return [await _replay_one(js, letter) for letter in letters]
+
+
+async def _replay_one(js: JetStreamContext, letter: DeadLetter) -> Replayed:
+    stream = stream_of(letter.origin_subject)
+    if stream is None:
+        return Replayed(letter.sequence, letter.origin_subject, None, "no stream takes the original subject")
+    await js.publish(
+        letter.origin_subject,
+        letter.body.encode(),
+        stream=stream,
+        headers={"Nats-Msg-Id": f"{REPLAY_MSG_ID_PREFIX}.{letter.sequence}"},
+    )
+    # Deleted only after the stream acknowledged the publish: a crash in between replays twice, harmlessly.
+    await js.delete_msg(bus.DEAD_LETTER_STREAM, letter.sequence)
+    return Replayed(letter.sequence, letter.origin_subject, stream)

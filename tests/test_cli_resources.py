@@ -1,0 +1,311 @@
+"""The resource verbs of the `memories` CLI, run in-process against the API served by uvicorn (real
+PostgreSQL, NATS and writers): --json output, tables, exit codes, and a re-runnable JSONL import."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.cli import main
+from shared.servers import LOOPBACK, free_port
+from shared.settings import Settings, get_settings
+from tests.conftest import ADMIN_TOKEN
+from tests.test_client import serve_api
+
+
+@pytest.fixture(scope="module")
+def api_url(settings: Settings, writers: list[Any]) -> Iterator[str]:
+    with serve_api(settings) as url:
+        yield url
+
+
+class Cli:
+    def __init__(self, url: str, capsys: pytest.CaptureFixture[str]) -> None:
+        self.url = url
+        self.capsys = capsys
+
+    async def raw(self, *argv: str) -> tuple[int, str, str]:
+        """Exit code, stdout, stderr. On a thread: the writers run on the test's loop, which must keep going."""
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        try:
+            code = await asyncio.to_thread(main, list(argv))
+        except SystemExit as exit_:  # argparse's usage errors
+            code = int(exit_.code or 0)
+        finally:
+            # main() points the root logger at this test's captured stderr; later tests must not write there.
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        out, err = self.capsys.readouterr()
+        assert "Traceback" not in err
+        return code, out, err
+
+    async def __call__(self, *argv: str) -> tuple[int, str, str]:
+        return await self.raw(*argv, "--url", self.url, "--token", ADMIN_TOKEN)
+
+    async def json(self, *argv: str) -> Any:
+        code, out, err = await self(*argv, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+
+@pytest.fixture
+def cli(api_url: str, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return Cli(api_url, capsys)
+
+
+@pytest.fixture
+async def project_id(cli: Cli) -> str:
+    return str((await cli.json("create-project", "--name", "cli tests"))["id"])
+
+
+@pytest.fixture
+async def memory_id(cli: Cli, project_id: str) -> str:
+    memory = await cli.json(
+        "create-memory",
+        "--project-id",
+        project_id,
+        "--name",
+        "Customer Preferences",
+        "--tags",
+        '["customer", "crm"]',
+    )
+    return str(memory["id"])
+
+
+async def test_memory_verbs(cli: Cli, project_id: str) -> None:
+    created = await cli.json(
+        "create-memory",
+        "--project-id",
+        project_id,
+        "--name",
+        "Customer Preferences",
+        "--tags",
+        '["customer", "crm"]',
+        "--description",
+        "what customers like",
+    )
+    assert (created["name"], created["tags"], created["description"]) == (
+        "Customer Preferences",
+        ["customer", "crm"],
+        "what customers like",
+    )
+    await cli.json("create-memory", "--project-id", project_id, "--name", "Billing", "--tags", '["finance"]')
+    listed = await cli.json("list-memories", "--project-id", project_id, "--tags", "cust*", "nothing?")
+    assert [m["id"] for m in listed["data"]] == [created["id"]] and listed["total"] == 1
+    code, table, _ = await cli("list-memories", "--project-id", project_id)
+    assert code == 0 and table.splitlines()[0].split() == ["ID", "NAME", "TAGS", "PROJECT"]
+    assert "Billing" in table and "(2 of 2, offset 0)" in table
+    assert await cli.json("get-memory", created["id"]) == created
+
+    updated = await cli.json("update-memory", created["id"], "--name", "Preferences", "--tags", "null")
+    assert (updated["name"], updated["tags"], updated["description"]) == (
+        "Preferences",
+        None,
+        "what customers like",
+    )
+    code, out, _ = await cli("delete-memory", created["id"])
+    assert code == 0 and out.strip() == f"deleted {created['id']}"
+    code, out, err = await cli("get-memory", created["id"])
+    assert (code, out) == (1, "") and err.startswith("error: RESOURCE_NOT_FOUND: memory")
+
+
+async def test_entry_verbs(cli: Cli, memory_id: str) -> None:
+    content = "Reject refunds above $500 for the traffic-manager role"
+    first = await cli.json(
+        "create-memory-entry",
+        "--memory-id",
+        memory_id,
+        "--content",
+        content,
+        "--tags",
+        '["role:traffic-manager"]',
+        "--metadata",
+        '{"evidence": "high"}',
+    )
+    assert (first["action"], first["status"]) == ("created", "applied")
+    entry = first["entry"]
+    assert entry["tags"] == ["role:traffic-manager"] and entry["metadata"] == {"evidence": "high"}
+    code, out, _ = await cli("create-memory-entry", "--memory-id", memory_id, "--content", content.lower())
+    assert code == 0 and out.startswith(f"skipped: {entry['id']}")
+    keyed = [
+        "create-memory-entry",
+        "--memory-id",
+        memory_id,
+        "--content",
+        "Ships to Porto",
+        "--idempotency-key",
+        "cli-key-1",
+    ]
+    assert (await cli.json(*keyed))["write_id"] == (await cli.json(*keyed))["write_id"]
+
+    code, _, err = await cli(
+        "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--duplicate-threshold", "1.5"
+    )
+    assert code == 1 and "VALIDATION_FAILED" in err and "duplicate_threshold" in err
+
+    listed = await cli.json("list-memory-entries", "--memory-id", memory_id)
+    assert [e["content"] for e in listed["data"]] == [content, "Ships to Porto"]
+    code, table, _ = await cli("list-memory-entries", "--memory-id", memory_id, "--include-invalidated")
+    assert code == 0 and "CONTENT" in table.splitlines()[0] and "Ships to Porto" in table
+    edited = await cli.json(
+        "update-memory-entry", entry["id"], "--content", "No refunds above $500", "--metadata", "null"
+    )
+    assert (edited["content"], edited["metadata"], edited["tags"]) == (
+        "No refunds above $500",
+        None,
+        ["role:traffic-manager"],
+    )
+    assert (await cli.json("get-memory-entry", entry["id"]))["content"] == "No refunds above $500"
+    assert (await cli.json("get-memory-write", first["write_id"]))["entry_id"] == entry["id"]
+    assert (await cli.json("delete-memory-entry", entry["id"])) == {"id": entry["id"], "deleted": True}
+    code, _, err = await cli("get-memory-entry", entry["id"])
+    assert code == 1 and "RESOURCE_NOT_FOUND" in err
+
+
+async def test_search_verb(cli: Cli, project_id: str, memory_id: str) -> None:
+    for content in ("Customer prefers email over phone calls", "The customer lives in Porto"):
+        await cli.json("create-memory-entry", "--memory-id", memory_id, "--content", content)
+    found = await cli.json(
+        "search",
+        "--query",
+        "Does the customer prefer email or phone?",
+        "--memory-ids",
+        memory_id,
+        "--limit",
+        "1",
+        "--project-id",
+        project_id,
+    )
+    [best] = found["results"]
+    assert best["content"] == "Customer prefers email over phone calls" and best["score"] > 0.5
+    by_tag = await cli.json("search", "--memory-tags", '["crm", "nothing"]', "--project-id", project_id)
+    assert [r["content"] for r in by_tag["results"]] == [
+        "Customer prefers email over phone calls",
+        "The customer lives in Porto",
+    ]
+    assert "score" not in by_tag["results"][0]
+    code, table, _ = await cli(
+        "search",
+        "--query",
+        "Which city?",
+        "--memory-ids",
+        memory_id,
+        "--project-id",
+        project_id,
+        "--min-score",
+        "0.2",
+    )
+    assert code == 0 and table.splitlines()[0].split() == ["SCORE", "ENTRY", "MEMORY", "CONTENT"]
+    code, _, err = await cli("search", "--project-id", project_id)
+    assert code == 1 and "VALIDATION_FAILED" in err
+
+
+async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
+    code, _, err = await cli(
+        "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--tags", "a,b"
+    )
+    assert code == 2 and "not JSON" in err
+    code, _, err = await cli(
+        "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--tags", '{"a": 1}'
+    )
+    assert code == 2 and "JSON array of strings" in err
+    code, _, err = await cli("create-memory", "--project-id", "proj_x")
+    assert code == 2 and "--name" in err
+    code, _, err = await cli("import", "/no/such/file.jsonl")
+    assert code == 2 and "cannot read" in err
+    assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
+
+
+async def test_import_twice_writes_nothing_twice(
+    cli: Cli, memory_id: str, project_id: str, tmp_path: Path
+) -> None:
+    other = (await cli.json("create-memory", "--project-id", project_id, "--name", "Other"))["id"]
+    lines = [
+        {"memory_id": memory_id, "content": "Customer prefers email over phone calls", "tags": ["channel"]},
+        {"memory_id": other, "content": "The customer lives in Porto", "metadata": {"source": "crm"}},
+        {"memory_id": memory_id, "content": "customer prefers email over phone calls."},  # a known fact
+        {"memory_id": memory_id, "content": "Budget is 40,000 euros", "idempotency_key": "budget-1"},
+    ]
+    source = tmp_path / "facts.jsonl"
+    source.write_text(
+        "\n".join(json.dumps(line) for line in lines[:2])
+        + "\n\n"
+        + "\n".join(json.dumps(line) for line in lines[2:])
+        + "\n"
+    )
+
+    code, out, err = await cli("import", str(source))
+    assert code == 0, err
+    assert out.strip() == "4 lines: 3 created, 1 skipped (0 already imported), 0 failed"
+    assert "\r[" in err and f"[{'#' * 30}] 4/4  created 3  skipped 1  failed 0" in err
+
+    code, out, err = await cli("import", str(source), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["created"], summary["skipped"], summary["already_imported"], summary["failed"]) == (
+        0,
+        4,
+        4,
+        0,
+    )
+    entries = (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]
+    assert [e["content"] for e in entries] == [
+        "Customer prefers email over phone calls",
+        "Budget is 40,000 euros",
+    ]
+    assert entries[0]["tags"] == ["channel"]
+    assert (await cli.json("list-memory-entries", "--memory-id", other))["total"] == 1
+
+
+async def test_import_counts_bad_lines_as_failed(cli: Cli, memory_id: str, tmp_path: Path) -> None:
+    source = tmp_path / "mixed.jsonl"
+    source.write_text(
+        "\n".join(
+            [
+                json.dumps({"memory_id": memory_id, "content": "A good fact"}),
+                "{not json",
+                json.dumps({"memory_id": memory_id, "contents": "a typo"}),
+                json.dumps({"memory_id": "mem_0000000000000000", "content": "no such memory"}),
+            ]
+        )
+    )
+    code, out, err = await cli("import", str(source), "--json")
+    assert code == 1
+    summary = json.loads(out)
+    assert (summary["created"], summary["failed"]) == (1, 3)
+    assert [f["line"] for f in summary["failures"]] == [2, 3, 4]
+    assert "line 3: unknown fields: contents" in err and "line 4: RESOURCE_NOT_FOUND" in err
+
+
+async def test_connection_settings(
+    api_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cli = Cli(api_url, capsys)
+    code, _, err = await cli.raw("list-projects", "--url", f"http://{LOOPBACK}:{free_port()}", "--token", "x")
+    assert code == 1 and "CONNECTION_FAILED" in err
+    code, _, err = await cli.raw("list-projects", "--url", api_url, "--token", "not-the-token")
+    assert code == 1 and "UNAUTHORIZED" in err
+    # Neither --url nor --token: MEMORIES_URL, and the admin token file a local `memories up` wrote.
+    (tmp_path / "admin_token").write_text(ADMIN_TOKEN + "\n")
+    monkeypatch.setenv("MEMORIES_URL", api_url)
+    monkeypatch.setenv("MEMORIES_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("MEMORIES_TOKEN", raising=False)
+    get_settings.cache_clear()
+    try:
+        code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
+        assert code == 0, err
+        assert json.loads(out)["limit"] == 1
+        monkeypatch.setenv("MEMORIES_TOKEN", "not-the-token")
+        get_settings.cache_clear()
+        code, _, err = await cli.raw("list-projects")
+        assert code == 1 and "UNAUTHORIZED" in err  # the variable wins over the file
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()

@@ -1,0 +1,334 @@
+"""The Python client against the real API: the async client over the app in-process (ASGI), the blocking
+one over HTTP to the app served by uvicorn, both backed by the real PostgreSQL, NATS and writers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+
+from services.api.main import create_app
+from shared.client import (
+    UNSET,
+    AsyncMemoriesClient,
+    Call,
+    Conflict,
+    ConnectionFailed,
+    EntryWrite,
+    Forbidden,
+    MemoriesClient,
+    MemoriesError,
+    Memory,
+    MemoryEntry,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    SourceType,
+    Unauthorized,
+    ValidationFailed,
+    WriteAction,
+)
+from shared.client._calls import model
+from shared.servers import LOOPBACK, free_port
+from shared.settings import Settings
+from tests.conftest import ADMIN_TOKEN, open_client
+
+EMAIL = "Customer prefers email over phone calls"
+
+
+@contextmanager
+def serve_api(settings: Settings) -> Iterator[str]:
+    """The API on a free loopback port, run by uvicorn on a thread of its own (its own event loop)."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings),
+        host=LOOPBACK,
+        port=port,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="memories-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the API did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def api_url(settings: Settings, writers: list[Any]) -> Iterator[str]:
+    with serve_api(settings) as url:
+        yield url
+
+
+@pytest_asyncio.fixture
+async def memories(client: httpx.AsyncClient) -> AsyncIterator[AsyncMemoriesClient]:
+    """The async client over the session's in-process app (an injected httpx client)."""
+    async with AsyncMemoriesClient(http=client) as opened:
+        yield opened
+
+
+@pytest_asyncio.fixture
+async def target(memories: AsyncMemoriesClient) -> Memory:
+    project = await memories.create_project("client tests")
+    return await memories.create_memory(
+        "Customer Preferences", project_id=project.id, tags=["customer", "crm"]
+    )
+
+
+async def test_memory_round_trip(memories: AsyncMemoriesClient) -> None:
+    project = await memories.create_project("round trip")
+    created = await memories.create_memory(
+        "Customer Preferences",
+        project_id=project.id,
+        description="what customers like",
+        tags=["Customer", "crm"],
+    )
+    assert isinstance(created, Memory) and created.id.startswith("mem_") and created.project_id == project.id
+    await memories.create_memory("Billing", project_id=project.id, tags=["finance"])
+    listed = await memories.list_memories(project_id=project.id, tags=["cust*", "nothing?"])
+    assert [m.id for m in listed.data] == [created.id] and listed.total == 1
+    assert (await memories.list_memories(project_id=project.id, limit=1)).total == 2
+    assert await memories.get_memory(created.id) == created
+    renamed = await memories.update_memory(created.id, name="Preferences", description=None)
+    assert (renamed.name, renamed.description, renamed.tags) == ("Preferences", None, ["Customer", "crm"])
+    assert (await memories.update_memory(created.id, tags=["vip"])).tags == ["vip"]
+    projects = await memories.list_projects(limit=1)
+    assert len(projects.data) == 1 and projects.limit == 1 and projects.total >= 1
+    await memories.delete_memory(created.id)
+    with pytest.raises(NotFound) as missing:
+        await memories.get_memory(created.id)
+    assert missing.value.status == 404 and missing.value.code == "RESOURCE_NOT_FOUND"
+
+
+async def test_entries_created_skipped_edited_and_deleted(
+    memories: AsyncMemoriesClient, target: Memory
+) -> None:
+    first = await memories.create_entry(target.id, EMAIL, tags=["channel"], metadata={"evidence": "high"})
+    assert isinstance(first, EntryWrite) and first.status == "applied" and first.action is WriteAction.CREATED
+    assert first.entry is not None and first.entry.source_type is SourceType.MANUAL
+    assert first.entry.metadata == {"evidence": "high"} and first.entry.tags == ["channel"]
+    again = await memories.create_entry(target.id, "customer prefers email over phone calls.")
+    assert (
+        again.action is WriteAction.SKIPPED and again.entry is not None and again.entry.id == first.entry.id
+    )
+    lower = await memories.create_entry(target.id, "Customer prefers email", duplicate_threshold=0.0)
+    assert lower.action is WriteAction.SKIPPED  # everything is a duplicate at threshold 0
+
+    keyed = await memories.create_entry(target.id, "Ships to Porto", idempotency_key="client-test-1")
+    replay = await memories.create_entry(target.id, "Ships to Porto", idempotency_key="client-test-1")
+    assert replay.write_id == keyed.write_id and replay.entry == keyed.entry
+    assert (await memories.get_write(keyed.write_id)).entry_id == (keyed.entry.id if keyed.entry else None)
+
+    entries = await memories.list_entries(target.id)
+    assert [e.content for e in entries.data] == [EMAIL, "Ships to Porto"]
+    assert all(isinstance(e, MemoryEntry) for e in entries.data)
+    edited = await memories.update_entry(first.entry.id, content="Customer prefers email", metadata=None)
+    assert (
+        edited.content == "Customer prefers email" and edited.metadata is None and edited.tags == ["channel"]
+    )
+    unchanged = await memories.update_entry(first.entry.id, tags=UNSET)
+    assert unchanged.tags == ["channel"]
+    history = await memories.entry_history(first.entry.id)
+    edits = [record for record in history.data if record.action == "edited"]
+    assert (edits[0].content_before, edits[0].content_after) == (EMAIL, "Customer prefers email")
+
+    await memories.delete_entry(first.entry.id)
+    with pytest.raises(NotFound):
+        await memories.get_entry(first.entry.id)
+    remaining = await memories.list_entries(target.id, include_invalidated=True)
+    assert [e.content for e in remaining.data] == ["Ships to Porto"]
+
+
+async def test_errors_are_typed_with_the_envelope(memories: AsyncMemoriesClient, target: Memory) -> None:
+    # The typed methods cannot send an unknown field; `send` takes any call.
+    stray = Call("POST", "/memories", model(Memory), body={"name": "x", "colour": "red"})
+    with pytest.raises(ValidationFailed) as unknown:
+        await memories.send(stray)
+    assert unknown.value.status == 400 and unknown.value.code == "VALIDATION_FAILED"
+    assert unknown.value.meta["unknown_fields"] == ["colour"]
+    with pytest.raises(ValidationFailed) as out_of_range:
+        await memories.create_entry(target.id, EMAIL, duplicate_threshold=1.5)
+    assert [f["field"] for f in out_of_range.value.meta["invalid_fields"]] == ["duplicate_threshold"]
+    with pytest.raises(PayloadTooLarge) as too_long:
+        await memories.create_entry(target.id, "x" * 8_001)
+    assert too_long.value.status == 413 and too_long.value.code == "PAYLOAD_TOO_LARGE"
+    with pytest.raises(NotFound):
+        await memories.list_entries("mem_0000000000000000")
+    with pytest.raises(MemoriesError) as no_search:
+        await memories.search(project_id=target.project_id)
+    assert isinstance(no_search.value, ValidationFailed) and "query" in no_search.value.meta["missing_fields"]
+
+
+async def test_search_and_reference_context(memories: AsyncMemoriesClient, target: Memory) -> None:
+    for content in (EMAIL, "The customer's budget is 40,000 euros", "The customer lives in Porto"):
+        await memories.create_entry(target.id, content)
+    project_id = target.project_id
+    ranked = await memories.search(
+        "Does the customer prefer email or phone?", memory_ids=[target.id], limit=2, project_id=project_id
+    )
+    assert len(ranked) == 2 and ranked[0].content == EMAIL  # cosine 0.76; the next is 0.30
+    assert ranked[0].score is not None and ranked[1].score is not None and ranked[0].score > ranked[1].score
+    assert ranked[0].score == ranked[0].similarity_score
+    assert ranked[0].memory_name == "Customer Preferences"
+    listed = await memories.search(memory_tags=["crm"], project_id=project_id)
+    assert listed[0].content == EMAIL and all(r.score is None for r in listed)
+    assert (
+        await memories.search("contact", memory_ids=[target.id], min_score=0.99, project_id=project_id) == []
+    )
+
+    config = {"memoryIds": [target.id], "limit": 1}  # camelCase, as a platform may store it
+    context = await memories.knowledge_context(
+        config, "Which city is the customer in?", project_id=project_id
+    )
+    assert context.message is not None and context.message.role == "user"
+    assert "<knowledge>" in context.message.content and "Porto" in context.message.content
+    assert [r.content for r in context.results] == ["The customer lives in Porto"]
+
+
+async def test_agent_tool_call_and_extraction_status(
+    memories: AsyncMemoriesClient, target: Memory, extractors: list[Any]
+) -> None:
+    agent = {"id": "agent_1", "knowledge_config": {"write_memory_id": target.id, "extraction": False}}
+    written = await memories.write_memory(
+        EMAIL, agent, generation_id="gen_client", project_id=target.project_id
+    )
+    assert written.action is WriteAction.CREATED and written.error is None and written.entry_id
+    assert (await memories.get_entry(written.entry_id)).source_generation_id == "gen_client"
+    refused = await memories.write_memory(
+        EMAIL, agent, memory_id="mem_0000000000000000", project_id=target.project_id
+    )
+    assert refused.error and refused.entry_id is None
+
+    accepted = await memories.generation_completed(
+        "gen_client_turn",
+        agent,
+        messages=[{"role": "user", "content": "I moved to Porto"}],
+        output="Noted.",
+        project_id=target.project_id,
+    )
+    assert (accepted.generation_id, accepted.status) == ("gen_client_turn", "pending")
+    for _ in range(300):
+        outcome = await memories.extraction_status("gen_client_turn", project_id=target.project_id)
+        if outcome.status != "pending":
+            break
+        await asyncio.sleep(0.05)
+    assert (outcome.status, outcome.reason) == ("skipped", "extraction_disabled")
+    assert outcome.summary.candidates == 0
+
+
+async def test_api_keys_scope_and_revocation(
+    memories: AsyncMemoriesClient, target: Memory, api_url: str
+) -> None:
+    created = await memories.create_api_key(target.project_id, ["memories:GetMemory"], name="reader")
+    assert created.key.startswith("sk_") and created.prefix == created.key[:11]
+    assert created.id in [k.id for k in (await memories.list_api_keys(project_id=target.project_id)).data]
+    async with AsyncMemoriesClient(api_url, created.key) as reader:
+        assert (await reader.get_memory(target.id)).id == target.id
+        with pytest.raises(Forbidden) as denied:
+            await reader.create_memory("not allowed")
+        assert denied.value.status == 403 and denied.value.code == "FORBIDDEN"
+        await memories.revoke_api_key(created.id)
+        with pytest.raises(Unauthorized) as revoked:
+            await reader.get_memory(target.id)
+        assert revoked.value.status == 401 and revoked.value.code == "UNAUTHORIZED"
+    listed = await memories.list_api_keys(project_id=target.project_id, include_revoked=True)
+    assert [k.revoked_at is not None for k in listed.data if k.id == created.id] == [True]
+
+
+async def test_a_pending_write_is_a_result_too(settings: Settings, target: Memory) -> None:
+    impatient = settings.model_copy(update={"memories_write_timeout_s": 0.001})
+    async for http in open_client(impatient):
+        async with AsyncMemoriesClient(http=http) as memories:
+            pending = await memories.create_entry(target.id, "A fact the writer decides later")
+            assert (pending.status, pending.action, pending.entry) == ("pending", None, None)
+            for _ in range(200):
+                status = await memories.get_write(pending.write_id)
+                if status.status != "pending":
+                    break
+                await asyncio.sleep(0.05)
+            assert status.status == "applied" and status.action is WriteAction.CREATED and status.entry_id
+
+
+async def test_the_blocking_client_over_http(api_url: str) -> None:
+    def scenario() -> tuple[EntryWrite, EntryWrite, MemoriesError]:
+        with MemoriesClient(api_url, ADMIN_TOKEN) as memories:
+            project = memories.create_project("blocking client")
+            memory = memories.create_memory("Notes", project_id=project.id)
+            first = memories.create_entry(memory.id, EMAIL)
+            second = memories.create_entry(memory.id, EMAIL)
+            assert memories.list_entries(memory.id).total == 1
+            try:
+                memories.get_memory("mem_0000000000000000")
+            except MemoriesError as exc:
+                return first, second, exc
+            raise AssertionError("a missing memory did not raise")
+
+    # The writers run on the test loop: the blocking calls wait on a thread while it keeps running.
+    first, second, missing = await asyncio.to_thread(scenario)
+    assert (first.action, second.action) == (WriteAction.CREATED, WriteAction.SKIPPED)
+    assert isinstance(missing, NotFound) and missing.code == "RESOURCE_NOT_FOUND"
+
+    def with_a_wrong_token() -> None:
+        with MemoriesClient(api_url, "not-a-token") as stranger:
+            stranger.list_projects()
+
+    with pytest.raises(Unauthorized):
+        await asyncio.to_thread(with_a_wrong_token)
+
+
+async def test_an_unreachable_service_is_a_typed_error() -> None:
+    async with AsyncMemoriesClient(f"http://{LOOPBACK}:{free_port()}", ADMIN_TOKEN, timeout=5) as memories:
+        with pytest.raises(ConnectionFailed) as unreachable:
+            await memories.list_projects()
+    assert unreachable.value.status is None and unreachable.value.code == "CONNECTION_FAILED"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind", "code"),
+    [
+        (502, "<html>Bad Gateway</html>", MemoriesError, "HTTP_502"),  # a proxy, not the API
+        (503, '{"error": {"code": "SERVICE_UNAVAILABLE", "message": "bus down"}}', ServiceUnavailable, None),
+        (
+            409,
+            '{"error": {"code": "CONFLICT", "message": "gone", "meta": {"write_id": "wr_1"}}}',
+            Conflict,
+            None,
+        ),
+        (200, "<html>a login page</html>", MemoriesError, "INVALID_RESPONSE"),
+    ],
+)
+def test_answers_that_are_not_the_api_still_raise_typed_errors(
+    status: int, body: str, kind: type[MemoriesError], code: str | None
+) -> None:
+    requested: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        requested.append(request.url.raw_path.decode())
+        return httpx.Response(status, text=body)
+
+    memories = MemoriesClient("http://memories.test/", "t", transport=httpx.MockTransport(answer))
+    with memories, pytest.raises(kind) as raised:
+        memories.get_memory("mem_a/../projects")
+    assert type(raised.value) is kind and raised.value.status == status
+    assert raised.value.code == (code or json.loads(body)["error"]["code"])
+    # An id is one path segment: it cannot reach another route.
+    assert requested == ["/api/v1/memories/mem_a%2F..%2Fprojects"]
