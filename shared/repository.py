@@ -242,12 +242,12 @@ async def claim_write_id(
         insert(WriteOutcome)
         .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending")
         .on_conflict_do_nothing(index_elements=[WriteOutcome.write_id])
-        .returning(WriteOutcome.write_id)
+        .returning(WriteOutcome)
     )
+    if inserted is not None:
+        return inserted, True  # the common case: one round trip
     outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
     assert outcome is not None
-    if inserted is not None:
-        return outcome, True
     retried = await session.scalar(
         update(WriteOutcome)
         .where(

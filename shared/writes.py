@@ -59,6 +59,14 @@ def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The entry a decision left in place: what the outcome and the audit record name."""
+
+    id: str
+    content: str
+
+
 class MemoryGone(Exception):
     """The target memory does not exist (any more) in the event's project: the write cannot apply."""
 
@@ -165,16 +173,15 @@ class WriteApplier:
         decision: Decision,
         digest: str,
         embedding: list[float] | None,
-    ) -> tuple[MemoryEntry, EntryChangeKind | None]:
+    ) -> tuple[Written, EntryChangeKind | None]:
         target = decision.target
         if decision.action is WriteAction.SKIPPED:
             assert target is not None
-            entry = await session.get(MemoryEntry, target.entry_id)
-            assert entry is not None
-            return entry, None
+            return Written(target.entry_id, target.content), None
         if decision.action is WriteAction.UPDATED:
             assert target is not None and decision.merged_content is not None
-            return await self._merge(session, event, target.entry_id, decision.merged_content), EntryChangeKind.UPDATED
+            merged = await self._merge(session, event, target.entry_id, decision.merged_content)
+            return Written(merged.id, merged.content), EntryChangeKind.UPDATED
         assert embedding is not None
         entry = await repo.insert_entry(
             session,
@@ -194,8 +201,8 @@ class WriteApplier:
             assert target is not None
             # Retired, not rewritten: the old entry keeps its text and points at its replacement.
             await repo.invalidate_entry(session, target.entry_id, entry.id, datetime.now(UTC))
-            return entry, EntryChangeKind.SUPERSEDED
-        return entry, EntryChangeKind.CREATED
+            return Written(entry.id, entry.content), EntryChangeKind.SUPERSEDED
+        return Written(entry.id, entry.content), EntryChangeKind.CREATED
 
     async def _merge(
         self, session: AsyncSession, event: MemoryWriteRequested, entry_id: str, merged_content: str
@@ -242,7 +249,7 @@ class WriteApplier:
 def _history(
     event: MemoryWriteRequested,
     decision: Decision,
-    entry: MemoryEntry,
+    entry: Written,
     nearest: list[Candidate],
     model_steps: ModelSteps | None,
 ) -> EntryHistory:

@@ -52,7 +52,8 @@ class MemoryEntry(Base):
     content: Mapped[str] = mapped_column(Text)
     content_hash: Mapped[str] = mapped_column(String(64))
     # The dimension is fixed when the schema is first migrated (Settings.embedding_dimensions).
-    embedding: Mapped[list[float]] = mapped_column(Vector())
+    # Deferred: parsing 384 floats per row is wasted on every read that only shows the entry.
+    embedding: Mapped[list[float]] = mapped_column(Vector(), deferred=True)
     embedding_model: Mapped[str] = mapped_column(String(255))
     source_type: Mapped[str] = mapped_column(String(32), server_default="manual")
     tags: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
