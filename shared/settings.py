@@ -58,6 +58,9 @@ class Settings(BaseSettings):
         default=None, description="the CLI's bearer token; unset: <data dir>/admin_token when it exists"
     )
 
+    # How many completed turns one extractor replica works on at once (its LLM calls overlap).
+    memories_extractor_concurrency: int = Field(default=8, ge=1, le=256)
+
     @property
     def data_dir(self) -> Path:
         return self.memories_data_dir.expanduser().resolve()

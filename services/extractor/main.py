@@ -58,6 +58,9 @@ class ExtractorService:
             from shared.scripted_llm import install_scripts  # tests and benchmarks only
 
             install_scripts(self.settings.memories_scripted_llm)
+        from shared.litellm_loader import load_litellm
+
+        await asyncio.to_thread(load_litellm)  # seconds of imports: not on the first turn's clock
         self._nc = await bus.connect(self.settings.nats_url or "", name="memories-extractor")
         await bus.ensure_layout(self._nc.jetstream(), self.settings)
         sessions = session_factory(self._engine)
@@ -181,7 +184,7 @@ async def run(settings: Settings) -> None:
         log.warning(
             "no service model (MEMORIES_MERGE_MODEL): only agents with a provider, route or model extract"
         )
-    service = ExtractorService(settings)
+    service = ExtractorService(settings, concurrency=settings.memories_extractor_concurrency)
     await service.start()
     try:
         await wait_for_shutdown_signal()
