@@ -11,18 +11,16 @@ import asyncio
 import contextlib
 import logging
 
-from faststream.middlewares import AckPolicy
-from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
 from shared import bus, metrics
-from shared.db.session import create_engine, session_factory
+from shared.consumer_process import ConsumerProcess
+from shared.db.session import session_factory
 from shared.events import ExtractionCompleted, GenerationCompleted
 from shared.extraction import ExtractionResult, Extractor, WritesPending
 from shared.ids import new_id
-from shared.lifecycle import wait_for_shutdown_signal
 from shared.llm import LlmError
 from shared.logs import log_context
 from shared.settings import Settings
@@ -31,40 +29,23 @@ from shared.write_gateway import WriteGateway
 log = logging.getLogger("memories.extractor")
 
 
-class ExtractorService:
+class ExtractorService(ConsumerProcess):
+    name = "extractor"
+
     def __init__(self, settings: Settings, concurrency: int = 8) -> None:
-        assert settings.database_url and settings.nats_url
-        self.settings = settings
-        self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=30.0, logger=None)
-        self._engine = create_engine(settings.database_url, pool_size=4)
-        self._nc: NatsClient | None = None
+        super().__init__(settings, pool_size=4, graceful_timeout=30.0)
         self._extractor: Extractor | None = None
-        self._metrics_server: metrics.MetricsServer | None = None
-        self._lag_poller: asyncio.Task[None] | None = None
-
-        @self.broker.subscriber(
-            f"{bus.GENERATION_COMPLETED_ROOT}.*",
-            stream=JStream(bus.GENERATIONS_STREAM, declare=False),
-            durable=bus.EXTRACTOR_DURABLE,
-            pull_sub=PullSub(batch_size=concurrency, timeout=1.0),
-            ack_policy=AckPolicy.MANUAL,
-            no_reply=True,
+        subscriber = self.subscribe(
+            f"{bus.GENERATION_COMPLETED_ROOT}.*", bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE, concurrency
         )
-        async def handle_generation(message: NatsMessage) -> None:
-            await self.handle(message)
+        subscriber(self.handle)
 
-    async def start(self) -> None:
-        if self.settings.memories_scripted_llm:
-            from shared.scripted_llm import install_scripts  # tests and benchmarks only
-
-            install_scripts(self.settings.memories_scripted_llm)
+    async def prepare(self, nc: NatsClient) -> None:
         from shared.litellm_loader import load_litellm
 
         await asyncio.to_thread(load_litellm)  # seconds of imports: not on the first turn's clock
-        self._nc = await bus.connect(self.settings.nats_url or "", name="memories-extractor")
-        await bus.ensure_layout(self._nc.jetstream(), self.settings)
-        sessions = session_factory(self._engine)
-        gateway = WriteGateway(self._nc, sessions, self.settings.memories_partitions)
+        sessions = session_factory(self.engine)
+        gateway = WriteGateway(nc, sessions, self.settings.memories_partitions)
         await gateway.start()
         self._extractor = Extractor(
             sessions,
@@ -73,33 +54,14 @@ class ExtractorService:
             write_timeout=self.settings.memories_write_timeout_s,
             service_model=self.settings.memories_merge_model,
         )
-        await self.broker.start()
-        self._lag_poller = asyncio.create_task(
-            metrics.run_lag_poller(self._nc.jetstream(), metrics.queue_consumers(self.settings)),
-            name="extractor-lag-poller",
-        )
-        self._metrics_server = await metrics.serve_metrics(self.settings, ready=self.is_ready)
 
-    def is_ready(self) -> bool:
-        """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""
-        return self._extractor is not None and self._nc is not None and self._nc.is_connected
-
-    async def stop(self) -> None:
-        if self._lag_poller is not None:
-            self._lag_poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lag_poller
-        if self._metrics_server is not None:
-            await self._metrics_server.stop()
-        await self.broker.stop()
-        if self._nc is not None:
-            await self._nc.drain()
-        await self._engine.dispose()
+    def consumers(self) -> list[metrics.ConsumerRef]:
+        return metrics.queue_consumers(self.settings)
 
     async def handle(self, message: NatsMessage) -> None:
-        assert self._nc is not None
+        assert self.nc is not None
         raw = message.raw_message
-        js = self._nc.jetstream()
+        js = self.nc.jetstream()
         try:
             event = GenerationCompleted.model_validate_json(message.body)
         except ValidationError as exc:
@@ -118,7 +80,7 @@ class ExtractorService:
         except (LlmError, WritesPending) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return
-        except Exception:  # noqa: BLE001 - database or bus trouble: let JetStream redeliver
+        except Exception:
             log.exception("extraction failed")
             await message.nack(delay=2.0)
             return
@@ -137,7 +99,7 @@ class ExtractorService:
             await message.in_progress()
 
     async def _retry_or_give_up(self, message: NatsMessage, event: GenerationCompleted, reason: str) -> None:
-        assert self._extractor is not None and self._nc is not None
+        assert self._extractor is not None and self.nc is not None
         raw = message.raw_message
         delivered = raw.metadata.num_delivered if raw.metadata else 1
         if delivered < self.settings.memories_max_deliver:
@@ -146,13 +108,13 @@ class ExtractorService:
             return
         result = await self._extractor.record_failure(event, reason)
         _count(result)
-        await bus.dead_letter(self._nc.jetstream(), "extractor", raw.subject, message.body, reason=reason)
+        await bus.dead_letter(self.nc.jetstream(), "extractor", raw.subject, message.body, reason=reason)
         await message.ack()
         await self._announce(event, result)
 
     async def _announce(self, event: GenerationCompleted, result: ExtractionResult) -> None:
         """For the platform to record on its generation; best-effort, the outcome is stored already."""
-        assert self._nc is not None
+        assert self.nc is not None
         notice = ExtractionCompleted(
             event_id=new_id("evt_"),
             project_id=event.project_id,
@@ -162,12 +124,12 @@ class ExtractorService:
             summary=result.summary,
         )
         try:
-            await self._nc.jetstream().publish(
+            await self.nc.jetstream().publish(
                 f"generations.extraction.{event.project_id}",
                 notice.model_dump_json().encode(),
                 stream=bus.GENERATIONS_STREAM,
             )
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("could not publish the extraction summary")
 
 
@@ -184,9 +146,4 @@ async def run(settings: Settings) -> None:
         log.warning(
             "no service model (MEMORIES_MERGE_MODEL): only agents with a provider, route or model extract"
         )
-    service = ExtractorService(settings, concurrency=settings.memories_extractor_concurrency)
-    await service.start()
-    try:
-        await wait_for_shutdown_signal()
-    finally:
-        await service.stop()
+    await ExtractorService(settings, concurrency=settings.memories_extractor_concurrency).run_until_signalled()

@@ -1,0 +1,91 @@
+"""What every bus-consuming process has in common (writer, extractor): the connections, the JetStream
+layout, the metrics server and the lag poller, and an orderly stop. Subclasses register their FastStream
+subscribers in `__init__` and build their handlers in `prepare()`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from faststream.middlewares import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from nats.aio.client import Client as NatsClient
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared import bus, metrics
+from shared.db.session import create_engine
+from shared.lifecycle import wait_for_shutdown_signal
+from shared.settings import Settings
+
+
+class ConsumerProcess:
+    name = "consumer"
+
+    def __init__(self, settings: Settings, *, pool_size: int, graceful_timeout: float) -> None:
+        assert settings.database_url and settings.nats_url, "resolve the servers before starting a service"
+        self.settings = settings
+        self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=graceful_timeout, logger=None)
+        # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
+        self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
+        self.nc: NatsClient | None = None
+        self._ready = False
+        self._metrics_server: metrics.MetricsServer | None = None
+        self._lag_poller: asyncio.Task[None] | None = None
+
+    def subscribe(self, subject: str, stream: str, durable: str, batch_size: int):  # type: ignore[no-untyped-def]
+        """A pull subscriber bound to an existing durable consumer: the layout is ours (shared.bus), so
+        FastStream declares nothing and a changed setting is applied by `ensure_layout`, not ignored."""
+        return self.broker.subscriber(
+            subject,
+            stream=JStream(stream, declare=False),
+            durable=durable,
+            pull_sub=PullSub(batch_size=batch_size, timeout=1.0),
+            ack_policy=AckPolicy.MANUAL,
+            no_reply=True,
+        )
+
+    async def prepare(self, nc: NatsClient) -> None:
+        """Build the handlers (connections are up, the layout applied, the broker not yet consuming)."""
+
+    def consumers(self) -> list[metrics.ConsumerRef]:
+        """The durable consumers whose lag this process reports."""
+        return []
+
+    async def start(self) -> None:
+        if self.settings.memories_scripted_llm:
+            from shared.scripted_llm import install_scripts  # tests and benchmarks only
+
+            install_scripts(self.settings.memories_scripted_llm)
+        self.nc = await bus.connect(self.settings.nats_url or "", name=f"memories-{self.name}")
+        await bus.ensure_layout(self.nc.jetstream(), self.settings)
+        await self.prepare(self.nc)
+        await self.broker.start()
+        self._ready = True
+        self._lag_poller = asyncio.create_task(
+            metrics.run_lag_poller(self.nc.jetstream(), self.consumers()), name=f"{self.name}-lag-poller"
+        )
+        self._metrics_server = await metrics.serve_metrics(self.settings, ready=self.is_ready)
+
+    def is_ready(self) -> bool:
+        """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""
+        return self._ready and self.nc is not None and self.nc.is_connected
+
+    async def stop(self) -> None:
+        if self._lag_poller is not None:
+            self._lag_poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_poller
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        await self.broker.stop()
+        if self.nc is not None:
+            await self.nc.drain()
+        await self.engine.dispose()
+
+    async def run_until_signalled(self) -> None:
+        """`memories writer|extractor`: run until SIGINT/SIGTERM, then finish the messages in hand."""
+        await self.start()
+        try:
+            await wait_for_shutdown_signal()
+        finally:
+            await self.stop()
