@@ -7,12 +7,14 @@ consumer otherwise keeps the settings it was created with.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import zlib
 from dataclasses import dataclass
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -136,7 +138,9 @@ def layout(settings: Settings) -> Layout:
             # One unacknowledged write per partition, whichever replica fetched it: decisions stay in order.
             max_ack_pending=1,
             ack_wait=settings.memories_ack_wait_s,
-            max_deliver=settings.memories_max_deliver,
+            # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
+            # The handlers count deliveries of real failures and dead-letter after MEMORIES_MAX_DELIVER.
+            max_deliver=-1,
         )
         for p in range(settings.memories_partitions)
     ]
@@ -150,7 +154,7 @@ def layout(settings: Settings) -> Layout:
             ack_policy=AckPolicy.EXPLICIT,
             max_ack_pending=max_ack_pending,
             ack_wait=settings.memories_ack_wait_s,
-            max_deliver=settings.memories_max_deliver,
+            max_deliver=-1,  # as for the writers: the handler decides when a message is poison
         )
 
     generation_consumers = [
@@ -164,7 +168,21 @@ def layout(settings: Settings) -> Layout:
     )
 
 
-async def ensure_layout(js: JetStreamContext, settings: Settings) -> None:
+async def ensure_layout(js: JetStreamContext, settings: Settings, attempts: int = 5) -> None:
+    """Apply the layout; retried, because services starting together on a cluster race to apply it and a
+    stream's leader may still be in election."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await _apply_layout(js, settings)
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            if attempt == attempts:
+                raise
+            log.warning("applying the JetStream layout failed (%s), retrying", exc)
+            await asyncio.sleep(0.5 * attempt)
+
+
+async def _apply_layout(js: JetStreamContext, settings: Settings) -> None:
     plan = layout(settings)
     for stream in plan.streams:
         try:
@@ -205,3 +223,22 @@ async def connect(url: str, *, name: str) -> NatsClient:
         reconnect_time_wait=0.5,
         connect_timeout=5,
     )
+
+
+def is_outage(exc: BaseException) -> bool:
+    """The database or the bus is unreachable: retry for as long as it takes, never dead-letter for it."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(exc, OperationalError | PoolTimeout | OSError | TimeoutError | ConnectionError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    from nats.errors import Error as NatsError
+
+    return isinstance(exc, NatsError)
+
+
+def retry_delay(backoff: float, delivered: int) -> float:
+    """Doubling from `backoff` with each delivery, at most 30 s."""
+    return min(backoff * 2 ** min(delivered, 10), 30.0)

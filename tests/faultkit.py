@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import shutil
@@ -145,6 +146,15 @@ class System:
             starts.append(self.start_api())
         await asyncio.gather(*starts)
 
+    async def freeze(self, name: str, seconds: float) -> None:
+        """SIGSTOP then SIGCONT: a process that stalls (a long GC pause, a frozen VM) beyond the ack wait."""
+        pid = self.procs[name].pid
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+
     def kill(self, name: str) -> None:
         """SIGKILL, like a crash (or the OOM killer): no shutdown hook runs."""
         proc = self.procs.pop(name)
@@ -211,6 +221,11 @@ class Load:
     transport_errors: int = 0
     unexpected: list[str] = field(default_factory=list)
     samples: dict[int, dict[str, Any]] = field(default_factory=dict)  # the first body of each status
+
+    def longest_stall(self) -> float:
+        """The longest time without a decided write answered: what a fault cost the clients."""
+        decided = sorted(at for at, status in self.timeline if status in (200, 201))
+        return max((b - a for a, b in itertools.pairwise(decided)), default=0.0)
 
     def statuses_between(self, start: float, end: float) -> Counter[int]:
         return Counter(status for at, status in self.timeline if start <= at <= end)
@@ -287,6 +302,7 @@ async def assert_applied_exactly_once(system: System, project_id: str, writes: l
     """The calm run's table, one decision and one history record per write, nothing parked or queued."""
     assert not load.unexpected, load.unexpected[:5]
     assert load.statuses[500] == 0
+    assert load.transport_errors == 0, "the API dropped connections (an error after the response started?)"
     assert set(load.results) == {w.key for w in writes}
     distinct = {(w.memory_id, w.content) for w in writes}
     actions = Counter(result["action"] for result in load.results.values())

@@ -104,7 +104,7 @@ class ExtractorService(ConsumerProcess):
         delivered = raw.metadata.num_delivered if raw.metadata else 1
         if delivered < self.settings.memories_max_deliver:
             log.warning("extraction will be retried (%s): %s", delivered, reason)
-            await message.nack(delay=min(self.settings.memories_retry_backoff_s * 2**delivered, 30.0))
+            await message.nack(delay=bus.retry_delay(self.settings.memories_retry_backoff_s, delivered))
             return
         result = await self._extractor.record_failure(event, reason)
         _count(result)

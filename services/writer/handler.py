@@ -1,7 +1,8 @@
 """One write message in, one decision out: decode, apply through shared.writes, ack, announce.
 
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
-any other failure (database or bus down) is retried with backoff and dead-lettered after max_deliver.
+an outage of the database or the bus is retried with backoff for as long as it lasts; any other failure
+is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ class WriteHandler:
         except Exception as exc:
             delivered = raw.metadata.num_delivered if raw.metadata else 1
             log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
-            if delivered >= self._max_deliver:
+            if not bus.is_outage(exc) and delivered >= self._max_deliver:
                 await self.dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
                 await message.ack()
             else:
-                await message.nack(delay=min(self._backoff * 2**delivered, 30.0))
+                await message.nack(delay=bus.retry_delay(self._backoff, delivered))
             return
 
         # Counted at commit, before the ack: a lost ack comes back as a replay and is not counted twice.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 
@@ -32,5 +33,18 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.commit()
 
 
+class _Session(AsyncSession):
+    async def close(self) -> None:
+        # Closing rolls back; on a connection the server dropped (a restart) that raises, and from the API's
+        # session dependency it would surface after the response started: a dropped connection, not a 503.
+        # Nothing is left to roll back on a dead connection, so it is discarded instead.
+        try:
+            await super().close()
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            await self.invalidate()
+
+
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    return async_sessionmaker(engine, expire_on_commit=False)
+    return async_sessionmaker(engine, expire_on_commit=False, class_=_Session)

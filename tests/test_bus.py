@@ -1,0 +1,49 @@
+"""The bus layout's pure parts: partitioning, retry policy, what counts as an outage."""
+
+from __future__ import annotations
+
+import zlib
+
+import nats.errors
+import pytest
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from shared import bus
+from shared.settings import Settings
+
+
+def test_partition_is_crc32_mod_n_and_stable() -> None:
+    memory_id = "mem_AAAAAAAAAAAAAAAA"
+    assert bus.partition_of(memory_id, 16) == zlib.crc32(memory_id.encode()) % 16
+    assert bus.write_subject(memory_id, 16) == f"memories.write.{zlib.crc32(memory_id.encode()) % 16}.{memory_id}"
+    spread = {bus.partition_of(f"mem_{i:016d}", 16) for i in range(500)}
+    assert spread == set(range(16))
+
+
+def test_writer_consumers_allow_one_write_in_flight_per_partition() -> None:
+    plan = bus.layout(Settings(memories_partitions=4))
+    writers = plan.consumers[bus.WRITES_STREAM]
+    assert [c.filter_subject for c in writers] == [f"memories.write.{p}.*" for p in range(4)]
+    assert all(c.max_ack_pending == 1 and c.max_deliver == -1 for c in writers)
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (OperationalError("SELECT 1", {}, Exception("connection refused")), True),
+        (DBAPIError("SELECT 1", {}, Exception("server closed"), connection_invalidated=True), True),
+        (ConnectionRefusedError(), True),
+        (TimeoutError(), True),
+        (nats.errors.ConnectionClosedError(), True),
+        (IntegrityError("INSERT", {}, Exception("duplicate key")), False),
+        (ValueError("a bug"), False),
+        (KeyError("x"), False),
+    ],
+)
+def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
+    assert bus.is_outage(error) is outage
+
+
+def test_retry_delay_doubles_and_is_capped() -> None:
+    assert [bus.retry_delay(0.5, n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert bus.retry_delay(1.0, 50) == 30.0
