@@ -43,6 +43,7 @@ class AppliedWrite:
     change: EntryChangeKind | None  # what the change feed announces; None for skips and replays
     superseded_entry_id: str | None = None
     replayed: bool = False  # the stored outcome of an earlier delivery: counted then, not again
+    rejected: str | None = None  # why the event must be dead-lettered (it names another project's memory)
 
 
 def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
@@ -68,7 +69,11 @@ class Written:
 
 
 class MemoryGone(Exception):
-    """The target memory does not exist (any more) in the event's project: the write cannot apply."""
+    """The target memory does not exist (any more): the write cannot apply."""
+
+
+class ForeignMemory(Exception):
+    """The event names a memory of another project: never applied, whoever sent it."""
 
 
 class WriteApplier:
@@ -100,6 +105,11 @@ class WriteApplier:
             return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
         except MemoryGone:
             return await self._record_failure(event, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
+        except ForeignMemory:
+            # To the sender it is simply not found (no existence is revealed); to operators, a dead letter.
+            failure = await self._record_failure(event, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
+            reason = f"write event of project {event.project_id} names a memory of another project"
+            return AppliedWrite(failure.outcome, None, rejected=reason)
 
     async def _has_exact_copy(self, memory_id: str, digest: str) -> bool:
         async with self._sessions() as session:
@@ -125,9 +135,10 @@ class WriteApplier:
             return AppliedWrite(outcome_of(stored), None, replayed=True)
 
         memory = await session.get(Memory, event.memory_id)
-        if memory is None or memory.project_id != event.project_id:
-            # Deleted after the API accepted the write, or an event naming another project's memory.
-            raise MemoryGone(event.memory_id)
+        if memory is None:
+            raise MemoryGone(event.memory_id)  # deleted after the API accepted the write
+        if memory.project_id != event.project_id:
+            raise ForeignMemory(event.memory_id)
 
         policy = event.write_policy or WritePolicy(memory.write_policy)
         exact = await repo.find_exact_copy(session, event.memory_id, digest)

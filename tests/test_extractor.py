@@ -222,3 +222,16 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
 async def test_unknown_generation_is_404(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
     response = await client.get("/generations/gen_nope/extraction", params={"project_id": memory["project_id"]})
     assert response.status_code == 404
+
+
+async def test_a_turn_naming_another_projects_memory_writes_nothing(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("extract-foreign", json.dumps(FACTS))
+    elsewhere = (await client.post("/projects", json={"name": "tenant B"})).json()
+    foreign = (await client.post("/memories", json={"project_id": elsewhere["id"], "name": "theirs"})).json()
+    body = turn_body(memory, model, "gen_foreign", config={"write_memory_id": foreign["id"], "extraction": True})
+    await client.post("/generations/completed", json=body)
+    outcome = await finished(client, memory, "gen_foreign")
+    assert outcome["status"] == "skipped" and "no memory of this project" in outcome["reason"]
+    assert await entries(client, foreign["id"]) == [] and llm.calls_to("extract-foreign") == []

@@ -195,3 +195,27 @@ async def test_change_feed_announces_created_entries(
         assert payload["write_id"] == entry["write_id"]
     finally:
         await nc.close()
+
+
+async def test_a_write_event_naming_another_projects_memory_is_rejected_and_dead_lettered(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    intruder = (await client.post("/projects", json={"name": "intruder"})).json()
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=intruder["id"], memory_id=memory["id"], content="Injected fact"
+    )
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.writer", stream=bus.DEAD_LETTER_STREAM,
+                                  deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        await _publish_raw(settings, event, event.write_id)
+        letter = json.loads((await dead.next_msg(timeout=10)).data)
+        assert "another project" in letter["reason"] and json.loads(letter["body"])["event_id"] == event.write_id
+        await dead.unsubscribe()
+    finally:
+        await nc.close()
+    assert await count_entries(sessions, memory["id"]) == 0
+    async with sessions() as session:
+        stored = await session.get(WriteOutcome, event.write_id)
+    assert stored is not None and stored.status == "failed" and stored.error_code == "RESOURCE_NOT_FOUND"

@@ -67,30 +67,63 @@ class Run:
                 f"| {pct(0.99):.1f} | {actions} |")
 
 
-async def drive(client: httpx.AsyncClient, name: str, writes: list[tuple[str, str]], clients: int) -> Run:
-    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-    for write in writes:
-        queue.put_nowait(write)
+class RawConnection:
+    """A keep-alive HTTP/1.1 connection that costs next to no CPU: the load generator shares the two cores
+    with the system under test, and an HTTP client library spends more per request than the API does."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        assert self._reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self._writer.write(head.encode() + body)
+        status_line = await self._reader.readline()
+        length = 0
+        while (line := await self._reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return int(status_line.split()[1]), await self._reader.readexactly(length)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: int) -> Run:
+    host, port = base.removeprefix("http://").split(":")
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for memory_id, content in writes:
+        queue.put_nowait(json.dumps({"memory_id": memory_id, "content": content}).encode())
     latencies: list[float] = []
     actions: Counter[str] = Counter()
 
     async def worker() -> None:
-        while not queue.empty():
-            memory_id, content = queue.get_nowait()
-            started = time.perf_counter()
-            response = await client.post("/memory-entries", json={"memory_id": memory_id, "content": content})
-            latencies.append(time.perf_counter() - started)
-            actions[response.json().get("action") or str(response.status_code)] += 1
+        connection = RawConnection(host, int(port))
+        try:
+            while not queue.empty():
+                body = queue.get_nowait()
+                started = time.perf_counter()
+                status, answer = await connection.post("/api/v1/memory-entries", body)
+                latencies.append(time.perf_counter() - started)
+                actions[json.loads(answer).get("action") or str(status)] += 1
+        finally:
+            connection.close()
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
     return Run(name, latencies, time.perf_counter() - started, actions)
 
 
-async def scenarios(base_url: str, args: argparse.Namespace) -> list[Run]:
+async def scenarios(base: str, args: argparse.Namespace) -> list[Run]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    limits = httpx.Limits(max_connections=args.clients)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=f"{base}/api/v1", headers=headers, timeout=60) as client:
         project = (await client.post("/projects", json={"name": "bench"})).json()["id"]
         memories = [
             (await client.post("/memories", json={"project_id": project, "name": f"m{i}"})).json()["id"]
@@ -99,13 +132,13 @@ async def scenarios(base_url: str, args: argparse.Namespace) -> list[Run]:
         hammered = (await client.post("/memories", json={"project_id": project, "name": "one"})).json()["id"]
         texts = facts(args.writes, seed=1)
         spread = [(memories[i % len(memories)], text) for i, text in enumerate(texts)]
-        await drive(client, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4)
-        runs = [await drive(client, "created, many memories", spread, args.clients)]
-        runs.append(await drive(client, "exact copies", spread, args.clients))
-        runs.append(await drive(client, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients))
-        one = [(hammered, text) for text in facts(args.writes // 2, seed=2)]
-        runs.append(await drive(client, f"{args.one_memory_clients} clients, one memory", one, args.one_memory_clients))
-        return runs
+    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4)
+    runs = [await drive(base, "created, many memories", spread, args.clients)]
+    runs.append(await drive(base, "exact copies", spread, args.clients))
+    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients))
+    one = [(hammered, text) for text in facts(args.writes // 2, seed=2)]
+    runs.append(await drive(base, f"{args.one_memory_clients} clients, one memory", one, args.one_memory_clients))
+    return runs
 
 
 async def raw_embedder(texts: list[str], batch: int) -> float:
@@ -139,9 +172,11 @@ def main(argv: list[str]) -> int:
             env["NATS_URL"] = servers[-1].start()
         upgrade(env["DATABASE_URL"])
         port = free_port()
+        log_dir = Path(os.environ.get("MEMORIES_BENCH_LOGS", os.devnull))
         for command in (["writer"], ["api", "--port", str(port)]):
+            log = open(log_dir / f"{command[0]}.log", "w") if log_dir.is_dir() else subprocess.DEVNULL  # noqa: SIM115
             children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command], env=env,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                             stdout=subprocess.DEVNULL, stderr=log))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -152,7 +187,7 @@ def main(argv: list[str]) -> int:
                 pass
             time.sleep(0.5)
         time.sleep(5)  # the writer loads its model in its own time
-        runs = asyncio.run(scenarios(f"{base}/api/v1", args))
+        runs = asyncio.run(scenarios(base, args))
     finally:
         for child in children:
             child.terminate()

@@ -66,6 +66,8 @@ class WriteHandler:
 
         # Counted at commit, before the ack: a lost ack comes back as a replay and is not counted twice.
         _count(event, applied)
+        if applied.rejected:
+            await self.dead_letter(raw.subject, message.body, reason=applied.rejected)
         await message.ack()
         outcome = applied.outcome
         if outcome.error is not None:
