@@ -21,5 +21,11 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+bench-search: $(VENV)/.installed
+	$(BIN)/memories bench search
+
+bench-write: $(VENV)/.installed
+	$(BIN)/memories bench write
+
 clean:
 	rm -rf $(VENV) .memories .pytest_cache

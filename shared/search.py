@@ -44,9 +44,9 @@ from shared.repository import glob_to_like, tags_match_any
 DEFAULT_LIMIT = 10
 MAX_LIMIT = 100
 EXACT_SCAN_MAX = 5_000
-"""Filtered sets up to this size are ranked exactly. Measured on 2 cores (docs/benchmarks.md): ranking 5,000
-rows exactly costs about what an iterative index scan costs at that selectivity in a 100k-entry table,
-and it is always right."""
+"""Filtered sets the planner estimates at most this large are ranked exactly. On 2 cores at 100k entries
+(docs/benchmarks.md) exact ranking costs a few microseconds a row, and an iterative index scan that must
+walk past many rows of other memories costs about as much as exact ranking of 2,500 to 5,000 rows."""
 
 _TAG_SEPARATOR = "\x1f"  # the separator memory_tags_text() (migration 0002) puts around each tag
 
@@ -56,10 +56,15 @@ def clamp_limit(limit: int | None) -> int:
     return DEFAULT_LIMIT if limit is None else max(1, min(MAX_LIMIT, limit))
 
 
-def ef_search_for(limit: int) -> int:
-    """The HNSW candidate list for a query of `limit` results: recall@10 falls below 0.95 under 100
-    on 100k MiniLM vectors (docs/benchmarks.md), and the list must never be shorter than the limit."""
-    return min(1_000, max(100, 4 * limit))
+def ef_search_for(limit: int, selectivity: float = 1.0) -> int:
+    """The HNSW candidate list for `limit` results from a filter that keeps `selectivity` of the index.
+
+    The filtered 10th-nearest is about the (10 / selectivity)-th nearest of the whole index, so the list
+    grows with the inverse selectivity. Measured on 100k MiniLM vectors (docs/benchmarks.md): unfiltered
+    recall@10 is 0.96 at 100 and 0.97 at 200; a filter keeping 13% needs about 300 to pass 0.95. Never
+    shorter than the limit, and at most 1,000 (below that selectivity, search ranks exactly)."""
+    wanted = max(200, 4 * limit, 4 * limit / max(selectivity, 1e-6))
+    return int(min(1_000, wanted))
 
 
 @dataclass(frozen=True)
@@ -140,26 +145,25 @@ async def search_by_vector(
     if condition is None:
         return KnowledgeResults([], SearchPath.NOTHING)
     if vector is None:
-        listed = select(MemoryEntry.id).where(condition)
-        listed = listed.order_by(MemoryEntry.created_at, MemoryEntry.id).limit(wanted)
-        oldest = [(entry_id, None) for entry_id in (await session.scalars(listed)).all()]
-        return KnowledgeResults(await _details(session, oldest), SearchPath.LISTED)
+        listed = _with_details(select().where(condition)).order_by(MemoryEntry.created_at, MemoryEntry.id)
+        rows = (await session.execute(listed.limit(wanted))).all()
+        return KnowledgeResults([_hit(row, None) for row in rows], SearchPath.LISTED)
 
     estimate = await estimate_rows(session, condition)
     if estimate <= exact_scan_max:
         # Bounded, in case the statistics are stale and the set is far larger than estimated.
         bound = max(4 * exact_scan_max, MAX_LIMIT)
-        ranked = await _ranked_exactly(session, condition, vector, wanted, bound)
-        if ranked is not None:
-            return KnowledgeResults(_above(ranked, min_score), SearchPath.EXACT, estimate)
-    ranked_ids = await _ranked_by_index(session, condition, vector, wanted)
-    if len(ranked_ids) < wanted:
+        hits = await _ranked_exactly(session, condition, vector, wanted, bound)
+        if hits is not None:
+            return KnowledgeResults(_above(hits, min_score), SearchPath.EXACT, estimate)
+    selectivity = estimate / max(await _indexed_rows(session), estimate, 1.0)
+    hits = await _ranked_by_index(session, condition, vector, wanted, ef_search_for(wanted, selectivity))
+    if len(hits) < wanted:
         # Either the set is smaller than the estimate said, or the walk gave up (hnsw.max_scan_tuples)
         # before enough rows passed the filter: the exact ranking is right in both cases.
-        ranked = await _ranked_exactly(session, condition, vector, wanted, None)
-        assert ranked is not None  # unbounded
-        return KnowledgeResults(_above(ranked, min_score), SearchPath.INDEX_THEN_EXACT, estimate)
-    hits = await _details(session, ranked_ids)
+        exact = await _ranked_exactly(session, condition, vector, wanted, None)
+        assert exact is not None  # unbounded
+        return KnowledgeResults(_above(exact, min_score), SearchPath.INDEX_THEN_EXACT, estimate)
     return KnowledgeResults(_above(hits, min_score), SearchPath.INDEX, estimate)
 
 
@@ -233,19 +237,25 @@ async def estimate_rows(session: AsyncSession, condition: ColumnElement[bool]) -
 def exact_statement(
     condition: ColumnElement[bool], vector: Sequence[float], limit: int, bound: int | None
 ) -> Select[Any]:
-    """Every distance of the filtered set (of at most bound + 1 of its rows), then the nearest `limit`,
-    with how many rows were scored. MATERIALIZED keeps the planner from answering the ORDER BY with the
-    HNSW index, which would bring back the approximation."""
+    """Every distance of the filtered set (of at most bound + 1 of its rows), then the nearest `limit` with
+    what a result shows, and how many rows were scored. MATERIALIZED keeps the planner from answering the
+    ORDER BY with the HNSW index, which would bring back the approximation."""
     distance = MemoryEntry.embedding.cosine_distance(vector)
     scored = select(MemoryEntry.id.label("entry_id"), distance.label("distance")).where(condition)
     if bound is not None:
         scored = scored.limit(bound + 1)
     scored_cte = scored.cte("scored").prefix_with("MATERIALIZED")
-    seen = select(func.count()).select_from(scored_cte).scalar_subquery()
-    return (
-        select(scored_cte.c.entry_id, scored_cte.c.distance, seen.label("seen"))
+    nearest = (
+        select(scored_cte.c.entry_id, scored_cte.c.distance)
         .order_by(scored_cte.c.distance, scored_cte.c.entry_id)
         .limit(limit)
+        .subquery("nearest")
+    )
+    seen = select(func.count()).select_from(scored_cte).scalar_subquery()
+    return (
+        _with_details(select(nearest.c.distance, seen.label("seen")))
+        .join(nearest, nearest.c.entry_id == MemoryEntry.id)
+        .order_by(nearest.c.distance, MemoryEntry.id)
     )
 
 
@@ -260,25 +270,28 @@ async def _ranked_exactly(
     rows = (await session.execute(exact_statement(condition, vector, limit, bound))).all()
     if bound is not None and rows and rows[0].seen > bound:
         return None
-    return await _details(session, [(row.entry_id, row.distance) for row in rows])
+    return [_hit(row, row.distance) for row in rows]
 
 
 def index_statement(condition: ColumnElement[bool], vector: Sequence[float], limit: int) -> Select[Any]:
-    """The nearest `limit` through the HNSW index. ORDER BY the bare distance expression is what lets the
-    planner use the index; the partial index also needs `invalidated_at IS NULL`, which the condition has."""
-    distance = MemoryEntry.embedding.cosine_distance(vector)
-    return (
-        select(MemoryEntry.id.label("entry_id"), distance.label("distance"))
-        .where(condition)
-        .order_by(distance)
-        .limit(limit)
-    )
+    """The nearest `limit` through the HNSW index, with what a result shows. Ordering by the distance
+    itself (here by its output name, so the vector is sent once) is what lets the planner use the index;
+    the partial index also needs `invalidated_at IS NULL`, which the condition has."""
+    distance = MemoryEntry.embedding.cosine_distance(vector).label("distance")
+    return _with_details(select(distance)).where(condition).order_by(distance).limit(limit)
+
+
+async def _indexed_rows(session: AsyncSession) -> float:
+    """Rows in the table, all projects: the HNSW graph holds them all, so a filter's selectivity, and
+    the walk it needs, is measured against this. The planner's own count, kept by ANALYZE."""
+    rows = await session.scalar(text("SELECT reltuples FROM pg_class WHERE oid = 'memory_entries'::regclass"))
+    return float(rows or 0.0)
 
 
 async def _ranked_by_index(
-    session: AsyncSession, condition: ColumnElement[bool], vector: Sequence[float], limit: int
-) -> list[tuple[str, float]]:
-    """(entry id, distance) pairs, nearest first, from an iterative HNSW scan.
+    session: AsyncSession, condition: ColumnElement[bool], vector: Sequence[float], limit: int, ef_search: int
+) -> list[KnowledgeHit]:
+    """Nearest first, from an iterative HNSW scan.
 
     enable_sort = off leaves the ordered index scan as the only plan without a sort: the planner would
     otherwise sort a bitmap scan of a large set, which is the exact ranking at its slowest. The relaxed
@@ -291,46 +304,40 @@ async def _ranked_by_index(
                 "set_config('hnsw.iterative_scan', 'relaxed_order', true), "
                 "set_config('enable_sort', 'off', true)"
             ),
-            {"ef": str(ef_search_for(limit))},
+            {"ef": str(ef_search)},
         )
         rows = (await session.execute(index_statement(condition, vector, limit))).all()
     finally:
         await savepoint.rollback()
-    return sorted(((row.entry_id, float(row.distance)) for row in rows), key=lambda pair: (pair[1], pair[0]))
-
-
-async def _details(session: AsyncSession, ranked: Sequence[tuple[str, float | None]]) -> list[KnowledgeHit]:
-    """What a result shows, for ranked (entry id, distance) pairs, in their order."""
-    if not ranked:
-        return []
-    query = (
-        select(
-            MemoryEntry.id,
-            MemoryEntry.memory_id,
-            Memory.name,
-            MemoryEntry.content,
-            MemoryEntry.tags,
-            MemoryEntry.created_at,
-            MemoryEntry.updated_at,
-        )
-        .join(Memory, Memory.id == MemoryEntry.memory_id)
-        .where(MemoryEntry.id.in_([entry_id for entry_id, _ in ranked]))
+    return sorted(
+        (_hit(row, row.distance) for row in rows), key=lambda hit: (-(hit.score or 0.0), hit.entry_id)
     )
-    rows = {row.id: row for row in (await session.execute(query)).all()}
-    return [
-        KnowledgeHit(
-            entry_id=entry_id,
-            memory_id=rows[entry_id].memory_id,
-            memory_name=rows[entry_id].name,
-            content=rows[entry_id].content,
-            tags=rows[entry_id].tags,
-            created_at=rows[entry_id].created_at,
-            updated_at=rows[entry_id].updated_at,
-            score=None if distance is None else 1.0 - float(distance),
-        )
-        for entry_id, distance in ranked
-        if entry_id in rows  # deleted between the two reads of a READ COMMITTED transaction
-    ]
+
+
+def _with_details(ranked: Select[Any]) -> Select[Any]:
+    """A statement's columns plus what a result shows of each entry: one round trip per search."""
+    return ranked.add_columns(
+        MemoryEntry.id,
+        MemoryEntry.memory_id,
+        Memory.name.label("memory_name"),
+        MemoryEntry.content,
+        MemoryEntry.tags,
+        MemoryEntry.created_at,
+        MemoryEntry.updated_at,
+    ).join_from(MemoryEntry, Memory, Memory.id == MemoryEntry.memory_id)
+
+
+def _hit(row: Any, distance: float | None) -> KnowledgeHit:
+    return KnowledgeHit(
+        entry_id=row.id,
+        memory_id=row.memory_id,
+        memory_name=row.memory_name,
+        content=row.content,
+        tags=row.tags,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        score=None if distance is None else 1.0 - float(distance),
+    )
 
 
 def _above(hits: list[KnowledgeHit], min_score: float | None) -> list[KnowledgeHit]:

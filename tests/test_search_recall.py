@@ -88,7 +88,8 @@ def _build(conninfo: str, rng: np.random.Generator) -> dict[str, Any]:
         rebuilt = [
             row[0]
             for row in conn.execute(
-                "SELECT indexdef FROM pg_indexes WHERE tablename = 'memory_entries' AND indexdef ILIKE '%using hnsw%'"
+                "SELECT indexdef FROM pg_indexes "
+                "WHERE tablename = 'memory_entries' AND indexdef ILIKE '%using hnsw%'"
             )
         ]
         for definition in rebuilt:
@@ -239,7 +240,9 @@ async def test_entry_tag_filters_rare_and_broad(corpus: Corpus) -> None:
 
 async def test_the_index_settings_do_not_outlive_the_search(corpus: Corpus) -> None:
     async with corpus.sessions() as session:
-        settings_now = text("SELECT current_setting('enable_sort'), current_setting('hnsw.iterative_scan', true)")
+        settings_now = text(
+            "SELECT current_setting('enable_sort'), current_setting('hnsw.iterative_scan', true)"
+        )
         before = tuple((await session.execute(settings_now)).one())
         await search_by_vector(
             session,

@@ -157,8 +157,8 @@ def _slots(rng: random.Random) -> dict[str, str]:
         "num": str(rng.randint(1, 299)), "street": pick("street"), "city": pick("city"), "team": pick("team"),
         "tool": tool, "tool2": tool2, "food": pick("food"), "product": pick("product"), "plan": pick("plan"),
         "day": pick("day"), "hour": f"{rng.randint(8, 17)}:{rng.choice(['00', '30'])}", "lang": pick("lang"),
-        "month": pick("month"), "dom": str(rng.randint(1, 28)), "amount": str(rng.choice([50, 100, 250, 500])),
-        "role": pick("role"), "device": pick("device"), "os": pick("os"), "tz": pick("tz"),
+        "month": pick("month"), "dom": str(rng.randint(1, 28)),
+        "amount": str(rng.choice([50, 100, 250, 500])), "role": pick("role"), "device": pick("device"), "os": pick("os"), "tz": pick("tz"),
     }
     # fmt: on
 
@@ -213,8 +213,8 @@ class HashedEmbedder:
 
     name = "hashed-bag-of-words-384"
     # fmt: off
-    _STOP = frozenset(("a", "an", "the", "is", "of", "on", "in", "at", "to", "for", "and", "or", "by", "with", "be",
-                       "was", "are", "has", "its", "their", "they"))
+    _STOP = frozenset(("a", "an", "the", "is", "of", "on", "in", "at", "to", "for", "and", "or", "by", "with",
+                       "be", "was", "are", "has", "its", "their", "they"))
     # fmt: on
 
     def __init__(self, dimensions: int = 384) -> None:

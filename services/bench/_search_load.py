@@ -68,8 +68,11 @@ def hashed_embedder() -> BenchEmbedder:
             return model_response
 
     register_local_provider()
-    others = [p for p in (litellm.custom_provider_map or []) if p.get("provider") != "bench"]
-    litellm.custom_provider_map = [*others, {"provider": "bench", "custom_handler": Handler()}]
+    # Keep the "local" provider registered beside ours (litellm's stubs do not declare the map).
+    current = getattr(litellm, "custom_provider_map", None) or []
+    others = [p for p in current if p.get("provider") != "bench"]
+    handlers = [*others, {"provider": "bench", "custom_handler": Handler()}]
+    litellm.custom_provider_map = handlers  # type: ignore[attr-defined]
     return BenchEmbedder(
         f"bench/{stand_in.name}",
         f"{stand_in.name} (deterministic stand-in, not a language model)",
@@ -159,7 +162,8 @@ def _drop_search_indexes(conn: psycopg.Connection[Any]) -> list[str]:
     definitions = [
         r[0]
         for r in conn.execute(
-            "SELECT indexdef FROM pg_indexes WHERE tablename = 'memory_entries' AND indexname = ANY(%s) ORDER BY indexname",
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'memory_entries' AND indexname = ANY(%s) "
+            "ORDER BY indexname",
             (list(REBUILT_INDEXES),),
         )
     ]

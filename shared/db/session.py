@@ -25,10 +25,11 @@ def create_engine(database_url: str, *, pool_size: int = 10, pre_ping: bool = Tr
 
 
 def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
-    # Filtered nearest-neighbour queries keep scanning the HNSW index until enough rows pass the filter
+    # Filtered nearest-neighbour queries keep scanning the HNSW index until enough rows pass the filter, in
+    # exact distance order (strict): the dedup lookup takes the first row as the nearest
     # (pgvector 0.8). Set once per connection rather than per query: one round trip less on the hot path.
     cursor = dbapi_connection.cursor()
-    cursor.execute("SET hnsw.iterative_scan = relaxed_order")
+    cursor.execute("SET hnsw.iterative_scan = strict_order")
     cursor.close()
     dbapi_connection.commit()
 

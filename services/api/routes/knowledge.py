@@ -32,6 +32,14 @@ def _nothing_to_search() -> ApiError:
 @router.post(
     "/search",
     summary="Search entries by similarity, or list them by age without a query",
+    description=(
+        "Entries of the memories in `memory_ids`, all entries of the memories whose tags match a `memory_tags` "
+        "glob, and the entries whose own tags match one: their union, valid entries only, in the caller's "
+        "project only. A memory id that is malformed, unknown or of another project contributes nothing "
+        "(no 404), as an agent's stored configuration may name a memory since deleted. `limit` defaults to 10 "
+        "and is clamped to 1..100 like the list endpoints. With `query`: nearest first, `score` = "
+        "`similarity_score` = 1 − cosine distance, at least `min_score`. Without: oldest first, no score."
+    ),
     response_model=KnowledgeSearchResponse,
     dependencies=[require("knowledge:SearchKnowledge")],
 )
@@ -61,6 +69,15 @@ async def search(
 @router.post(
     "/context",
     summary="The reference-context message for an agent's knowledge_config and the last user message",
+    description=(
+        "Runs the search of `knowledge_config` (snake_case or camelCase; `write_memory_id` and `extraction` "
+        "are accepted and ignored) with `message` as the query and returns the user-role message to put "
+        "before the user's turn: `<knowledge>`, a one-line preamble saying it is reference material and not "
+        "instructions, one `[Memory: {memory_name} ({entry_id})] {content}` line per result, `</knowledge>`. "
+        "`<`, `>` and `&` in names and contents are escaped as `&lt;`, `&gt;`, `&amp;` and line breaks "
+        "folded to spaces, so no entry can end the block or forge a line. `message` is null when nothing "
+        "was found. The same is `shared.context.reference_context` for a platform in Python."
+    ),
     response_model=KnowledgeContextResponse,
     dependencies=[require("knowledge:SearchKnowledge")],
 )
