@@ -156,6 +156,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--writes", type=int, default=2000, help="writes per scenario")
     parser.add_argument("--memories", type=int, default=200)
     parser.add_argument("--one-memory-clients", type=int, default=50)
+    parser.add_argument("--writers", type=int, default=1, help="writer processes (replicas)")
     args = parser.parse_args(argv)
 
     settings = get_settings()
@@ -173,7 +174,7 @@ def main(argv: list[str]) -> int:
         upgrade(env["DATABASE_URL"])
         port = free_port()
         log_dir = Path(os.environ.get("MEMORIES_BENCH_LOGS", os.devnull))
-        for command in (["writer"], ["api", "--port", str(port)]):
+        for command in [["writer"]] * args.writers + [["api", "--port", str(port)]]:
             log = open(log_dir / f"{command[0]}.log", "w") if log_dir.is_dir() else subprocess.DEVNULL  # noqa: SIM115
             children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command], env=env,
                                              stdout=subprocess.DEVNULL, stderr=log))
@@ -198,7 +199,8 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(root, ignore_errors=True)
     embed_rate = asyncio.run(raw_embedder(facts(args.writes, seed=1), batch=64))
 
-    print(f"{args.clients} clients, {args.writes} writes per scenario over {args.memories} memories; "
+    print(f"{args.clients} clients, {args.writes} writes per scenario over {args.memories} memories, "
+          f"{args.writers} writer process(es), 1 API process; "
           f"embedder {settings.embedding_model}; {os.cpu_count()} cores\n")
     print("| scenario | writes | writes/s | p50 ms | p95 ms | p99 ms | actions |")
     print("|---|---|---|---|---|---|---|")
