@@ -28,9 +28,23 @@ def _no_nul(value: str) -> str:
     return value
 
 
+METADATA_MAX_DEPTH = 32
+"""Deeper than this is refused: the bus's JSON parser has a recursion limit the writer must never hit."""
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
 def _metadata_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return None
+    if _depth(value) > METADATA_MAX_DEPTH:
+        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
     encoded = json.dumps(value, ensure_ascii=False)
     if "\\u0000" in encoded:
         raise ValueError("must not contain NUL characters")

@@ -1,0 +1,126 @@
+"""Hostile and broken input, over REST and on every subject a consumer reads: always a 4xx with the
+envelope (never a 5xx), and on the bus a dead letter with a reason (never a crashed consumer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from shared import bus
+from shared.settings import Settings
+
+
+def assert_envelope(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["code"], str) and isinstance(error["message"], str)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # deep nesting (also over the size limit)
+        b'{"memory_id": ' + b"[" * 5_000 + b"]" * 5_000 + b', "content": "x"}',  # deep, small
+        b'{"memory_id": "mem_AAAAAAAAAAAAAAAA", "content": "\xff\xfe broken utf-8"}',
+        b'{"memory_id": "mem_AAAAAAAAAAAAAAAA", "content": "x", "duplicate_threshold": NaN}',
+        b'{"memory_id": "mem_AAAAAAAAAAAAAAAA", "content": "x", "duplicate_threshold": -Infinity}',
+        b"",
+        b"null",
+        b'"just a string"',
+    ],
+)
+async def test_malformed_bodies_are_4xx(client: httpx.AsyncClient, raw: bytes) -> None:
+    response = await client.post("/memory-entries", content=raw, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+    assert "error" in response.json()
+
+
+async def test_ten_thousand_tags_and_non_string_tags(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    many = await client.post(
+        "/memory-entries", json={"memory_id": memory["id"], "content": "x", "tags": [f"t{i}" for i in range(10_000)]}
+    )
+    assert many.status_code in (400, 413) and "error" in many.json()
+    for tags in ([1, 2], [None], [{"a": 1}], "crm", [""]):
+        assert_envelope(await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "x",
+                                                                   "tags": tags}), 400)
+
+
+async def test_huge_and_nested_metadata(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    nested: dict[str, Any] = {}
+    cursor = nested
+    for _ in range(200):
+        cursor["k"] = {}
+        cursor = cursor["k"]
+    too_deep = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Nested metadata",
+                                                          "metadata": nested})
+    assert_envelope(too_deep, 400)
+    shallow = {"a": {"b": {"c": [1, 2, {"d": "e"}]}}}
+    accepted = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Shallow metadata",
+                                                          "metadata": shallow})
+    assert accepted.status_code == 201 and accepted.json()["metadata"] == shallow
+    big = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "x",
+                                                     "metadata": {"blob": "y" * 100_000}})
+    assert_envelope(big, 400)
+
+
+@pytest.mark.parametrize("memory_id", ["", "mem_", "mem_../../etc", "mem_%00", "mem_" + "A" * 500, "MEM_AAAAAAAAAAAAAAAA"])
+async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) -> None:
+    response = await client.get(f"/memories/{memory_id}") if memory_id else await client.get("/memories/%20")
+    assert_envelope(response, 404)
+
+
+@pytest.mark.parametrize(
+    ("subject", "origin"),
+    [
+        ("generations.completed.proj_AAAAAAAAAAAAAAAA", "extractor"),
+        ("generations.deleted.proj_AAAAAAAAAAAAAAAA", "writer"),
+        ("conversations.deleted.proj_AAAAAAAAAAAAAAAA", "writer"),
+    ],
+)
+async def test_malformed_events_on_every_subject_are_dead_lettered(
+    settings: Settings, writers: list[Any], extractors: list[Any], subject: str, origin: str
+) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.{origin}", stream=bus.DEAD_LETTER_STREAM,
+                                  deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        for body in (b"\xff\xfe not json", json.dumps({"event_id": "x", "unexpected": True}).encode()):
+            await js.publish(subject, body, stream=bus.GENERATIONS_STREAM)
+            letter = json.loads((await dead.next_msg(timeout=15)).data)
+            assert letter["origin_subject"] == subject and letter["reason"]
+        await dead.unsubscribe()
+        # Acknowledged after the dead letter, never left hanging (nor redelivered in a loop).
+        durable = bus.EXTRACTOR_DURABLE if origin == "extractor" else (
+            bus.WRITER_GENERATION_DELETIONS if subject.startswith("generations.") else bus.WRITER_CONVERSATION_DELETIONS
+        )
+        for _ in range(100):
+            info = await js.consumer_info(bus.GENERATIONS_STREAM, durable)
+            if info.num_ack_pending == 0 and info.num_pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await nc.close()
+
+
+async def test_an_oversized_write_event_is_dead_lettered(settings: Settings, writers: list[Any]) -> None:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.writer", stream=bus.DEAD_LETTER_STREAM,
+                                  deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        event = {"event_id": "wr_" + "0" * 32, "project_id": "proj_AAAAAAAAAAAAAAAA",
+                 "memory_id": "mem_AAAAAAAAAAAAAAAA", "content": "x" * 50_000}
+        subject = bus.write_subject("mem_AAAAAAAAAAAAAAAA", settings.memories_partitions)
+        await js.publish(subject, json.dumps(event).encode(), stream=bus.WRITES_STREAM)
+        letter = json.loads((await dead.next_msg(timeout=15)).data)
+        assert "invalid write event" in letter["reason"]
+        await dead.unsubscribe()
+    finally:
+        await nc.close()
