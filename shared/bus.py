@@ -27,6 +27,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from shared.events import MemoryEntryChanged
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -242,3 +243,16 @@ def is_outage(exc: BaseException) -> bool:
 def retry_delay(backoff: float, delivered: int) -> float:
     """Doubling from `backoff` with each delivery, at most 30 s."""
     return min(backoff * 2 ** min(delivered, 10), 30.0)
+
+
+async def announce_entry_change(js: JetStreamContext, change: MemoryEntryChanged, *, msg_id: str) -> None:
+    """The change feed, after a commit; best-effort: the change itself is already durable."""
+    try:
+        await js.publish(
+            event_subject(change.project_id, change.kind.value),
+            change.model_dump_json().encode(),
+            stream=EVENTS_STREAM,
+            headers={"Nats-Msg-Id": msg_id},
+        )
+    except Exception:
+        log.exception("could not publish change event", extra={"change": change.kind.value})

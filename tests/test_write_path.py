@@ -219,3 +219,18 @@ async def test_a_write_event_naming_another_projects_memory_is_rejected_and_dead
     async with sessions() as session:
         stored = await session.get(WriteOutcome, event.write_id)
     assert stored is not None and stored.status == "failed" and stored.error_code == "RESOURCE_NOT_FOUND"
+
+
+async def test_change_feed_announces_edits_and_deletions(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any]
+) -> None:
+    entry = (await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Edited later"})).json()
+    nc = await nats.connect(settings.nats_url)
+    try:
+        sub = await nc.subscribe(f"{bus.EVENT_SUBJECT_ROOT}.{memory['project_id']}.*")
+        await client.put(f"/memory-entries/{entry['id']}", json={"content": "Edited now"})
+        await client.delete(f"/memory-entries/{entry['id']}")
+        kinds = [json.loads((await sub.next_msg(timeout=10)).data) for _ in range(2)]
+        assert [(k["kind"], k["entry_id"]) for k in kinds] == [("updated", entry["id"]), ("deleted", entry["id"])]
+    finally:
+        await nc.close()

@@ -93,15 +93,7 @@ class WriteHandler:
                 write_id=event.write_id,
                 superseded_entry_id=applied.superseded_entry_id,
             )
-            try:
-                await self._js.publish(
-                    bus.event_subject(event.project_id, applied.change.value),
-                    change.model_dump_json().encode(),
-                    stream=bus.EVENTS_STREAM,
-                    headers={"Nats-Msg-Id": f"{event.write_id}:{applied.change.value}"},
-                )
-            except Exception:
-                log.exception("could not publish change event", extra={"change": applied.change.value})
+            await bus.announce_entry_change(self._js, change, msg_id=f"{event.write_id}:{applied.change.value}")
 
     async def dead_letter(self, subject: str, body: bytes, *, reason: str) -> None:
         await bus.dead_letter(self._js, "writer", subject, body, reason=reason)

@@ -14,12 +14,19 @@ from services.api.errors import ApiError, envelope, not_found
 from services.api.pagination import PagingDep
 from services.api.routes.memories import load_memory
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
+from shared import bus
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry
 from shared.embeddings import EmbeddingError, embed_texts
-from shared.events import MemoryWriteOutcome, MemoryWriteRequested, WriteAction
+from shared.events import (
+    EntryChangeKind,
+    MemoryEntryChanged,
+    MemoryWriteOutcome,
+    MemoryWriteRequested,
+    WriteAction,
+)
 from shared.guard import content_hash
-from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_write_id
+from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.write_gateway import BusUnavailable
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
@@ -137,7 +144,12 @@ async def get_entry(entry_id: str, session: SessionDep, principal: PrincipalDep)
     dependencies=[require("memories:UpdateMemoryEntry")],
 )
 async def update_entry(
-    entry_id: str, body: EntryUpdate, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
+    entry_id: str,
+    body: EntryUpdate,
+    request: Request,
+    session: SessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
 ) -> EntryOut:
     entry = await load_entry(session, scope(principal), entry_id)
     changes: dict[str, Any] = {}
@@ -170,6 +182,7 @@ async def update_entry(
     entry = await repo.update_entry(session, entry, changes)
     await repo.add_history(session, _edit_record(entry, "edited", before, entry.content))
     await session.commit()
+    await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
 
 
@@ -179,13 +192,21 @@ async def update_entry(
     summary="Delete an entry outright",
     dependencies=[require("memories:DeleteMemoryEntry")],
 )
-async def delete_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
+async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     await repo.lock_memory(session, entry.memory_id)
     await repo.add_history(session, _edit_record(entry, "deleted", entry.content, None))
     await repo.delete_entry(session, entry)
     await session.commit()
+    await _announce(request, entry, EntryChangeKind.DELETED)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind) -> None:
+    change = MemoryEntryChanged(
+        event_id=new_id("evt_"), project_id=entry.project_id, memory_id=entry.memory_id, entry_id=entry.id, kind=kind
+    )
+    await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
 
 
 def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> EntryHistory:
