@@ -108,12 +108,9 @@ class ModelSteps:
             {"role": "system", "content": _MERGE_INSTRUCTIONS},
             {"role": "user", "content": f"Existing fact: {existing}\nNew fact: {incoming}"},
         ]
-        try:
-            completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose="merge")
-        except LlmError as exc:
-            log.warning("%s", exc)
+        completion = await self._ask(messages, "merge")
+        if completion is None:
             return None
-        self.completions.append(("merge", completion))
         return completion.text.strip().strip('"').strip() or None
 
     async def arbitrate(self, incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
@@ -122,13 +119,18 @@ class ModelSteps:
             {"role": "system", "content": _ARBITRATION_INSTRUCTIONS},
             {"role": "user", "content": f"New fact: {incoming}\n\nStored facts:\n{listing}"},
         ]
+        completion = await self._ask(messages, "arbitration")
+        return parse_arbitration(completion.text, shortlist) if completion else None
+
+    async def _ask(self, messages: list[dict[str, str]], purpose: str) -> Completion | None:
+        """One completion, kept for usage metering; a failure is logged and becomes None (the seed's rule)."""
         try:
-            completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose="arbitration")
+            completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose=purpose)
         except LlmError as exc:
             log.warning("%s", exc)
             return None
-        self.completions.append(("arbitration", completion))
-        return parse_arbitration(completion.text, shortlist)
+        self.completions.append((purpose, completion))
+        return completion
 
 
 def parse_arbitration(text: str, shortlist: list[Candidate]) -> Arbitration | None:

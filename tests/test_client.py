@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
 
-from services.api.main import create_app
+from services.api.threaded import serve_in_thread
 from shared.client import (
     UNSET,
     AsyncMemoriesClient,
@@ -45,32 +42,9 @@ from tests.conftest import ADMIN_TOKEN, open_client
 EMAIL = "Customer prefers email over phone calls"
 
 
-@contextmanager
-def serve_api(settings: Settings) -> Iterator[str]:
+def serve_api(settings: Settings) -> AbstractContextManager[str]:
     """The API on a free loopback port, run by uvicorn on a thread of its own (its own event loop)."""
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(settings),
-        host=LOOPBACK,
-        port=port,
-        log_config=None,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="memories-api", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the API did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://{LOOPBACK}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return serve_in_thread(settings)
 
 
 @pytest.fixture(scope="module")

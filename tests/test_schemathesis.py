@@ -3,18 +3,15 @@ on the real database and bus: no 5xx, every error in the envelope. Bounded: a fe
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, settings
 
 from services.api.main import create_app
-from shared.servers import free_port
+from services.api.threaded import serve_in_thread
 from shared.settings import Settings
 from tests.conftest import ADMIN_TOKEN, make_settings
 
@@ -24,18 +21,8 @@ schema = schemathesis.openapi.from_dict(create_app(Settings()).openapi())
 @pytest.fixture(scope="module")
 def api_url(server_urls: tuple[str, str]) -> Iterator[str]:
     """The API served by uvicorn in a thread of its own; writes answer 202 quickly (no writer needed)."""
-    port = free_port()
-    app = create_app(make_settings(server_urls, memories_write_timeout_s=0.05))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the API did not start"
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=15)
+    with serve_in_thread(make_settings(server_urls, memories_write_timeout_s=0.05)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

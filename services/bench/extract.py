@@ -12,23 +12,19 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import nats
 from sqlalchemy import func, select
 
+from services.bench._system import bench_environment
 from shared import bus
 from shared import repository as repo
-from shared.db.migrate import upgrade
 from shared.db.models import GenerationExtraction
 from shared.db.session import create_engine, session_factory
 from shared.events import GenerationAgent, GenerationCompleted
-from shared.servers import EmbeddedNats, EmbeddedPostgres
 from shared.settings import get_settings
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts"]
@@ -43,11 +39,12 @@ async def run_once(env: dict[str, str], replicas: int, events: int) -> float:
         memory = await repo.create_memory(
             session, project_id=project.id, name="m", description=None, tags=None, write_policy="seed"
         )
-    log_dir = Path(env.get("MEMORIES_BENCH_LOGS", os.devnull))
     children = [
-        subprocess.Popen([sys.executable, "-m", "services.cli", "extractor"], env=env, stdout=subprocess.DEVNULL,
-                         stderr=open(log_dir / f"extractor-{replicas}-{i}.log", "w") if log_dir.is_dir() else subprocess.DEVNULL)
-        for i in range(replicas)
+        subprocess.Popen(  # noqa: ASYNC220 - started once, before the measurement
+            [sys.executable, "-m", "services.cli", "extractor"], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for _ in range(replicas)
     ]
     nc = await nats.connect(env["NATS_URL"])
     try:
@@ -91,35 +88,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--replicas", default="1,2,4")
     args = parser.parse_args(argv)
 
-    settings = get_settings()
-    root = Path(tempfile.mkdtemp(prefix="memories-bench-"))
-    servers: list[EmbeddedPostgres | EmbeddedNats] = []
-    writer: subprocess.Popen[bytes] | None = None
     results: list[tuple[int, int, float]] = []
-    try:
-        script = {"bench": {"reply": json.dumps(FACTS), "latency_s": args.latency}}
-        env = dict(os.environ, MEMORIES_SCRIPTED_LLM=json.dumps(script),
-                   MEMORIES_EXTRACTOR_CONCURRENCY=str(args.concurrency), MEMORIES_LOG_FORMAT="json")
-        if not settings.database_url:
-            servers.append(EmbeddedPostgres(root / "postgres"))
-            env["DATABASE_URL"] = servers[-1].start()
-        if not settings.nats_url:
-            servers.append(EmbeddedNats(root / "nats"))
-            env["NATS_URL"] = servers[-1].start()
-        upgrade(env["DATABASE_URL"])
+    script = {"bench": {"reply": json.dumps(FACTS), "latency_s": args.latency}}
+    with bench_environment(
+        MEMORIES_SCRIPTED_LLM=json.dumps(script), MEMORIES_EXTRACTOR_CONCURRENCY=str(args.concurrency)
+    ) as env:
         writer = subprocess.Popen([sys.executable, "-m", "services.cli", "writer"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for replicas in (int(r) for r in args.replicas.split(",")):
-            events = args.events * replicas
-            seconds = asyncio.run(run_once(env, replicas, events))
-            results.append((replicas, events, seconds))
-    finally:
-        if writer is not None:
+        try:
+            for replicas in (int(r) for r in args.replicas.split(",")):
+                events = args.events * replicas
+                results.append((replicas, events, asyncio.run(run_once(env, replicas, events))))
+        finally:
             writer.terminate()
             writer.wait(timeout=30)
-        for server in reversed(servers):
-            server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
     base = results[0][1] / results[0][2]
     print(f"scripted model latency {args.latency * 1000:.0f} ms, {args.concurrency} turn(s) at once per replica, "

@@ -25,7 +25,6 @@ import platform
 import random
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -263,29 +262,10 @@ async def _filtered_rows(sessions: Any, project_id: str, filters: list[Knowledge
 
 @contextmanager
 def _api_server(settings: Settings) -> Iterator[str]:
-    import uvicorn
+    from services.api.threaded import serve_in_thread
 
-    from services.api.main import create_app
-    from shared.servers import free_port
-
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=port, log_level="warning", access_log=False
-        )
-    )
-    thread = threading.Thread(target=server.run, name="bench-api", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the API did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/api/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(settings) as url:
+        yield f"{url}/api/v1"
 
 
 def _measure_http(base_url: str, project_id: str, texts: list[str], cases: list[Case]) -> None:

@@ -14,11 +14,9 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from shared.db.migrate import upgrade
+from services.bench._system import bench_environment
 from shared.embeddings import embed_texts
-from shared.servers import EmbeddedNats, EmbeddedPostgres, free_port
+from shared.servers import free_port
 from shared.settings import get_settings
 
 TOKEN = "bench-admin-token"
@@ -60,7 +58,7 @@ class Run:
 
     def row(self) -> str:
         lat = sorted(self.latencies)
-        pct = lambda q: 1000 * lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
+        pct = lambda q: 1000 * lat[min(len(lat) - 1, int(q * len(lat)))]
         rate = len(lat) / self.seconds
         actions = ", ".join(f"{k} {v}" for k, v in sorted(self.actions.items()))
         return (f"| {self.name} | {len(lat)} | {rate:,.0f} | {1000 * statistics.median(lat):.1f} | {pct(0.95):.1f} "
@@ -160,43 +158,34 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     settings = get_settings()
-    root = Path(tempfile.mkdtemp(prefix="memories-bench-"))
-    servers: list[EmbeddedPostgres | EmbeddedNats] = []
     children: list[subprocess.Popen[bytes]] = []
-    try:
-        env = dict(os.environ, MEMORIES_ADMIN_TOKEN=TOKEN, MEMORIES_LOG_LEVEL="WARNING")
-        if not settings.database_url:
-            servers.append(EmbeddedPostgres(root / "postgres"))
-            env["DATABASE_URL"] = servers[-1].start()
-        if not settings.nats_url:
-            servers.append(EmbeddedNats(root / "nats"))
-            env["NATS_URL"] = servers[-1].start()
-        upgrade(env["DATABASE_URL"])
-        port = free_port()
-        log_dir = Path(os.environ.get("MEMORIES_BENCH_LOGS", os.devnull))
-        for command in [["writer"]] * args.writers + [["api", "--port", str(port)]]:
-            log = open(log_dir / f"{command[0]}.log", "w") if log_dir.is_dir() else subprocess.DEVNULL  # noqa: SIM115
-            children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command], env=env,
-                                             stdout=subprocess.DEVNULL, stderr=log))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        time.sleep(5)  # the writer loads its model in its own time
-        runs = asyncio.run(scenarios(base, args))
-    finally:
-        for child in children:
-            child.terminate()
-        for child in children:
-            child.wait(timeout=30)
-        for server in reversed(servers):
-            server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with bench_environment(MEMORIES_ADMIN_TOKEN=TOKEN) as env:
+        try:
+            port = free_port()
+            log_dir = Path(os.environ.get("MEMORIES_BENCH_LOGS", os.devnull))
+            for command in [["writer"]] * args.writers + [["api", "--port", str(port)]]:
+                log = open(log_dir / f"{command[0]}.log", "a") if log_dir.is_dir() else subprocess.DEVNULL  # noqa: SIM115
+                children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command], env=env,
+                                                 stdout=subprocess.DEVNULL, stderr=log))
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            time.sleep(5)  # the writer loads its model in its own time
+            runs = asyncio.run(scenarios(base, args))
+        finally:
+            for child in children:
+                child.terminate()
+            for child in children:
+                try:
+                    child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
     embed_rate = asyncio.run(raw_embedder(facts(args.writes, seed=1), batch=64))
 
     print(f"{args.clients} clients, {args.writes} writes per scenario over {args.memories} memories, "
