@@ -36,8 +36,10 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
     "memoryWrites": (
         f"{bus.WRITE_SUBJECT_ROOT}.{{partition}}.{{memory_id}}",
         MemoryWriteRequested,
-        f"Stream {bus.WRITES_STREAM} (work queue). One write to decide. Nats-Msg-Id: the write id "
-        "(plus an attempt suffix). Every write to one memory lands on one partition.",
+        (
+            f"Stream {bus.WRITES_STREAM} (work queue). One write to decide. Nats-Msg-Id: the write id "
+            "(plus an attempt suffix). Every write to one memory lands on one partition."
+        ),
         {"partition": "crc32(memory_id) mod MEMORIES_PARTITIONS", "memory_id": "the target memory"},
         "receive",
         "writer (one durable pull consumer per partition, max_ack_pending 1)",
@@ -61,8 +63,10 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
     "generationsCompleted": (
         f"{bus.GENERATION_COMPLETED_ROOT}.{{project_id}}",
         GenerationCompleted,
-        f"Stream {bus.GENERATIONS_STREAM}. A model turn completed; published by the agent platform (or "
-        "POST /api/v1/generations/completed). Nats-Msg-Id: generation:<project>:<generation_id>.",
+        (
+            f"Stream {bus.GENERATIONS_STREAM}. A model turn completed; published by the agent platform (or "
+            "POST /api/v1/generations/completed). Nats-Msg-Id: generation:<project>:<generation_id>."
+        ),
         {"project_id": "the project"},
         "receive",
         "extractor (one durable consumer shared by all replicas)",

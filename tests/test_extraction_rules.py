@@ -9,7 +9,14 @@ import pytest
 
 from shared.agents import ExtractionConfig, KnowledgeConfig
 from shared.events import GenerationAgent, GenerationCompleted
-from shared.extraction import CONTRACT_LINE, DEFAULT_INSTRUCTIONS, build_prompt, candidate_write_id, gate, parse_candidates
+from shared.extraction import (
+    CONTRACT_LINE,
+    DEFAULT_INSTRUCTIONS,
+    build_prompt,
+    candidate_write_id,
+    gate,
+    parse_candidates,
+)
 from shared.providers import Provider, ResolutionError, Target, resolve_targets
 
 
