@@ -113,6 +113,8 @@ class WriteApplier:
 
     async def _has_exact_copy(self, memory_id: str, digest: str) -> bool:
         async with self._sessions() as session:
+            # A lone read needs no transaction: autocommit spares the BEGIN and ROLLBACK round trips.
+            await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
             return await repo.find_exact_copy(session, memory_id, digest) is not None
 
     async def _embed_one(self, content: str) -> list[float]:
