@@ -7,8 +7,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, require, resolve_project, scope
+from services.api.deps import Principal, PrincipalDep, SessionDep, require, resolve_project, scope
 from services.api.errors import ApiError
 from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import load_memory
@@ -150,10 +151,7 @@ class ProvenanceCleared(BaseModel):
 async def forget_generation(
     generation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
 ) -> ProvenanceCleared:
-    project = await resolve_project(session, principal, project_id)
-    cleared = await repo.clear_provenance(session, project, generation_id=generation_id)
-    await session.commit()
-    return ProvenanceCleared(cleared=cleared)
+    return await _forget(session, principal, project_id, generation_id=generation_id)
 
 
 @router.delete(
@@ -164,7 +162,13 @@ async def forget_generation(
 async def forget_conversation(
     conversation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
 ) -> ProvenanceCleared:
+    return await _forget(session, principal, project_id, conversation_id=conversation_id)
+
+
+async def _forget(
+    session: AsyncSession, principal: Principal, project_id: str | None, **reference: str
+) -> ProvenanceCleared:
     project = await resolve_project(session, principal, project_id)
-    cleared = await repo.clear_provenance(session, project, conversation_id=conversation_id)
+    cleared = await repo.clear_provenance(session, project, **reference)
     await session.commit()
     return ProvenanceCleared(cleared=cleared)
