@@ -124,3 +124,9 @@ async def test_an_oversized_write_event_is_dead_lettered(settings: Settings, wri
         await dead.unsubscribe()
     finally:
         await nc.close()
+
+
+async def test_a_body_without_the_json_content_type_is_explained(client: httpx.AsyncClient) -> None:
+    response = await client.post("/memories", content=b'{"name": "x"}', headers={"content-type": "text/plain"})
+    assert_envelope(response, 400)
+    assert "Content-Type: application/json" in response.json()["error"]["message"]

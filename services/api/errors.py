@@ -73,6 +73,9 @@ def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
         return envelope(413, "content is too long", meta=meta)
     if any(e.get("type") == "json_invalid" for e in errors):
         return envelope(400, "request body is not valid JSON", meta=meta)
+    if any(tuple(e.get("loc", ())) == ("body",) and e.get("type") == "model_attributes_type" for e in errors):
+        # Most often a client that forgot the header: say what to send instead of a schema error.
+        return envelope(400, "the body must be a JSON object sent with Content-Type: application/json", meta=meta)
     return envelope(400, "request validation failed", meta=meta)
 
 
