@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared import bus, metrics
 from shared.db.session import create_engine
 from shared.lifecycle import wait_for_shutdown_signal
+from shared.metrics_server import MetricsServer, serve_metrics
 from shared.settings import Settings
 
 
@@ -29,7 +30,7 @@ class ConsumerProcess:
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
         self.nc: NatsClient | None = None
         self._ready = False
-        self._metrics_server: metrics.MetricsServer | None = None
+        self._metrics_server: MetricsServer | None = None
         self._lag_poller: asyncio.Task[None] | None = None
 
     def subscribe(self, subject: str, stream: str, durable: str, batch_size: int):  # type: ignore[no-untyped-def]
@@ -64,7 +65,7 @@ class ConsumerProcess:
         self._lag_poller = asyncio.create_task(
             metrics.run_lag_poller(self.nc.jetstream(), self.consumers()), name=f"{self.name}-lag-poller"
         )
-        self._metrics_server = await metrics.serve_metrics(self.settings, ready=self.is_ready)
+        self._metrics_server = await serve_metrics(self.settings, ready=self.is_ready)
 
     def is_ready(self) -> bool:
         """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""

@@ -23,6 +23,7 @@ from shared.agents import ExtractionConfig
 from shared.embeddings import LOCAL_MODEL, EmbeddingError, embed_texts, register_local_provider
 from shared.events import GenerationAgent, GenerationCompleted, MemoryWriteOutcome, MemoryWriteRequested
 from shared.extraction import gate
+from shared.metrics_server import MetricsServer, serve_metrics
 from shared.providers import ResolutionError, resolve_targets
 from shared.scripted_llm import scripted_llm
 from shared.servers import free_port
@@ -282,7 +283,7 @@ async def test_metrics_server_serves_metrics_and_probes() -> None:
             raise state["ready"]
         return bool(state["ready"])
 
-    server = metrics.MetricsServer(0, ready, host="127.0.0.1")
+    server = MetricsServer(0, ready, host="127.0.0.1")
     port = await server.start()
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
@@ -307,9 +308,9 @@ async def test_metrics_server_serves_metrics_and_probes() -> None:
 
 async def test_serve_metrics_follows_the_metrics_port_setting(settings: Settings) -> None:
     assert settings.memories_metrics_port == 0
-    assert await metrics.serve_metrics(settings) is None
+    assert await serve_metrics(settings) is None
     port = free_port()
-    server = await metrics.serve_metrics(
+    server = await serve_metrics(
         settings.model_copy(update={"memories_metrics_port": port}), lambda: True
     )
     assert server is not None and server.port == port
