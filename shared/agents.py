@@ -9,62 +9,91 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from shared.events import (
-    AgentContext,
-    MemoryWriteRequested,
-    SourceType,
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
 )
+
+from shared.events import CONTENT_MAX_CHARS, TAG_MAX_CHARS, AgentContext, MemoryWriteRequested, SourceType
 from shared.ids import new_write_id
+from shared.search import KnowledgeFilter
 
 
 def _snake(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
-def snake_keys(value: Any) -> Any:
-    """camelCase keys to snake_case, recursively (a Formation may store either)."""
-    if isinstance(value, dict):
-        return {_snake(str(k)): snake_keys(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [snake_keys(v) for v in value]
+def refuse_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
     return value
 
 
-class ExtractionConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _one_or_many(value: Any) -> Any:
+    """A scalar where a list is expected is a list of one (`"memory_ids": "mem_…"` is a common slip)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
 
+
+MAX_MEMORY_IDS = 100
+MAX_TAG_PATTERNS = 20
+
+MemoryIdList = Annotated[
+    list[Annotated[str, StringConstraints(max_length=64), AfterValidator(refuse_nul)]],
+    BeforeValidator(_one_or_many),
+    Field(max_length=MAX_MEMORY_IDS),
+]
+TagPatternList = Annotated[
+    list[Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]],
+    BeforeValidator(_one_or_many),
+    Field(max_length=MAX_TAG_PATTERNS),
+]
+MinScore = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
+
+
+class _EitherCase(BaseModel):
+    """Accepts snake_case or camelCase keys (a Formation may store either); refuses unknown ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _snake_case(cls, value: Any) -> Any:
+        return {_snake(str(k)): v for k, v in value.items()} if isinstance(value, dict) else value
+
+
+class ExtractionConfig(_EitherCase):
     enabled: bool = True
     ai_provider_id: str | None = None
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | None = Field(default=None, max_length=CONTENT_MAX_CHARS)
 
 
-class KnowledgeConfig(BaseModel):
-    """An agent's knowledge_config; unknown keys belong to the platform and are ignored."""
+class KnowledgeConfig(_EitherCase):
+    """An agent's `knowledge_config`: what it reads (search) and where it writes (tool, extraction)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    memory_ids: list[str] = Field(default_factory=list)
-    memory_tags: list[str] = Field(default_factory=list)
-    limit: int | None = None
-    min_score: float | None = None
+    memory_ids: MemoryIdList = []
+    memory_tags: TagPatternList = []
+    limit: int | None = Field(default=None, description="default 10; clamped to 1..100")
+    min_score: MinScore | None = None
     write_memory_id: str | None = None
     extraction: bool | ExtractionConfig | None = None
 
-    @field_validator("memory_ids", "memory_tags", mode="before")
-    @classmethod
-    def _scalar_as_list(cls, value: Any) -> Any:
-        if value is None:
-            return []
-        return [value] if isinstance(value, str) else value
-
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> KnowledgeConfig:
-        return cls.model_validate(snake_keys(raw or {}))
+        return cls.model_validate(raw or {})
+
+    @property
+    def filters(self) -> KnowledgeFilter:
+        return KnowledgeFilter(memory_ids=tuple(self.memory_ids), tag_patterns=tuple(self.memory_tags))
 
 
 class AgentSpec(BaseModel):
@@ -76,10 +105,7 @@ class AgentSpec(BaseModel):
     model: str | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
     api_base: str | None = None
     api_key_env: str | None = Field(default=None, description="name of the env variable with the provider key")
-    knowledge_config: dict[str, Any] | None = None
-
-    def knowledge(self) -> KnowledgeConfig:
-        return KnowledgeConfig.parse(self.knowledge_config)
+    knowledge_config: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
 
     def context(self) -> AgentContext | None:
         """The agent context a write carries; without a model there is nothing to merge with."""

@@ -14,6 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
@@ -59,7 +60,10 @@ def gate(event: GenerationCompleted) -> Gate:
         return Gate(False, "streamed")
     if event.status != "completed":
         return Gate(False, f"status_{event.status}")
-    config = KnowledgeConfig.parse(event.agent.knowledge_config)
+    try:
+        config = KnowledgeConfig.parse(event.agent.knowledge_config)
+    except ValidationError:
+        return Gate(False, "invalid_knowledge_config")
     if not config.write_memory_id:
         return Gate(False, "no_write_memory_id")
     if event.extract is False:

@@ -173,7 +173,9 @@ def observe_extraction(outcome: str) -> None:
     EXTRACTIONS.labels(outcome).inc()
 
 
-_TURN_GATE_REASONS = frozenset({"streamed", "turn_opted_out", "extraction_disabled", "no_write_memory_id"})
+_TURN_GATE_REASONS = frozenset(
+    {"streamed", "turn_opted_out", "extraction_disabled", "no_write_memory_id", "invalid_knowledge_config"}
+)
 
 
 def extraction_skip_label(reason: str | None) -> str:

@@ -46,7 +46,7 @@ async def call_write_memory(
 ) -> dict[str, Any]:
     """Execute one `write_memory` tool call; the result goes back to the model: `{action, entry_id}` or
     `{error}`. The caller has checked that `write_memory_id` is a memory of `project_id`."""
-    memory_id = agent.knowledge().write_memory_id
+    memory_id = agent.knowledge_config.write_memory_id
     if not memory_id:
         return {"error": "this agent has no write_memory_id: memory writing is not enabled"}
     try:

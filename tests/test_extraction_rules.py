@@ -154,3 +154,8 @@ def test_resolution_refusals(extraction: dict[str, Any], agent: dict[str, Any]) 
     with pytest.raises(ResolutionError):
         resolve_targets(ExtractionConfig(**extraction), GenerationAgent(**agent), providers=PROVIDERS, routes=ROUTES,
                         default_route_id=None)
+
+
+def test_a_malformed_stored_config_skips_the_turn_with_a_reason() -> None:
+    decision = gate(turn({**TARGET, "extraction": True, "memoryIds": [1, 2]}))
+    assert (decision.run, decision.reason) == (False, "invalid_knowledge_config")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from services.api.schemas import Timestamp
-from shared.context import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList, refuse_nul
+from shared.agents import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList, refuse_nul
 from shared.events import CONTENT_MAX_CHARS
 from shared.search import KnowledgeHit
 

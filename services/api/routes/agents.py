@@ -51,7 +51,7 @@ async def write_memory_definition() -> dict[str, Any]:
 )
 async def write_memory(body: WriteMemoryCall, request: Request, session: SessionDep, principal: PrincipalDep) -> ToolResult:
     project_id = await resolve_project(session, principal, body.project_id)
-    target = body.agent.knowledge().write_memory_id
+    target = body.agent.knowledge_config.write_memory_id
     if body.memory_id is not None and body.memory_id != target:
         return ToolResult(error="the model cannot choose the memory: it is fixed by write_memory_id")
     if not target or not is_valid_id(target, MEMORY_PREFIX) or await repo.get_memory(session, project_id, target) is None:
