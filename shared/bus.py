@@ -45,7 +45,6 @@ WRITER_CONVERSATION_DELETIONS = "writer-conversation-deletions"
 WRITE_SUBJECT_ROOT = "memories.write"
 EVENT_SUBJECT_ROOT = "memories.events"
 DEAD_LETTER_ROOT = "dlq"
-WRITE_ATTEMPT_HEADER = "Memories-Attempt"
 
 
 def partition_of(memory_id: str, partitions: int) -> int:

@@ -30,13 +30,13 @@ from shared.events import (
 )
 from shared.ids import WRITE_PREFIX
 from shared.llm import Completion, LlmError, RateLimited, complete
+from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway
 
 log = logging.getLogger("memories.extraction")
 
 MAX_CANDIDATES = 20
-EXTRACTION_PROMPT_VERSION = "extract-v1"
 
 DEFAULT_INSTRUCTIONS = (
     "Read the conversation below and list the discrete facts in it that are worth remembering long-term: "
@@ -189,7 +189,7 @@ class Extractor:
             agent = target.context(event.agent.id)
             for attempt in range(self._rate_limit_retries + 1):
                 try:
-                    completion = await complete(prompt, agent=agent, timeout=self._llm_timeout, purpose="extraction")
+                    completion = await complete(prompt, agent=agent, timeout=self._llm_timeout, purpose=Purpose.EXTRACTION)
                 except RateLimited as exc:
                     last_error = exc
                     await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
@@ -203,7 +203,7 @@ class Extractor:
 
     async def _record_usage(self, project_id: str, target: Target, completion: Completion) -> None:
         async with self._sessions.begin() as session:
-            await registry.add_usage(session, project_id, target.ai_provider_id, completion, "extraction")
+            await registry.add_usage(session, project_id, target.ai_provider_id, completion, Purpose.EXTRACTION)
 
     async def _write(
         self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target

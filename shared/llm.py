@@ -14,6 +14,7 @@ from typing import Any
 
 from shared.decision import Arbitration, Candidate, Operation
 from shared.events import AgentContext
+from shared.metrics import Purpose
 
 log = logging.getLogger("memories.llm")
 
@@ -108,7 +109,7 @@ class ModelSteps:
             {"role": "system", "content": _MERGE_INSTRUCTIONS},
             {"role": "user", "content": f"Existing fact: {existing}\nNew fact: {incoming}"},
         ]
-        completion = await self._ask(messages, "merge")
+        completion = await self._ask(messages, Purpose.MERGE)
         if completion is None:
             return None
         return completion.text.strip().strip('"').strip() or None
@@ -119,7 +120,7 @@ class ModelSteps:
             {"role": "system", "content": _ARBITRATION_INSTRUCTIONS},
             {"role": "user", "content": f"New fact: {incoming}\n\nStored facts:\n{listing}"},
         ]
-        completion = await self._ask(messages, "arbitration")
+        completion = await self._ask(messages, Purpose.ARBITRATION)
         return parse_arbitration(completion.text, shortlist) if completion else None
 
     async def _ask(self, messages: list[dict[str, str]], purpose: str) -> Completion | None:

@@ -41,10 +41,6 @@ def log_context(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
-def context_fields() -> Mapping[str, Any]:
-    return _context.get()
-
-
 class ContextFilter(logging.Filter):
     """Stamps the context's fields on each record. Installed on the handler, so records that propagate up
     from any logger get them too (a logger's own filters only see records logged on that very logger)."""
