@@ -135,8 +135,10 @@ def layout(settings: Settings) -> Layout:
             filter_subject=partition_filter(p),
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            # One unacknowledged write per partition, whichever replica fetched it: decisions stay in order.
-            max_ack_pending=1,
+            # One batch of a partition in flight: the writer that fetched it decides it in order. A second
+            # replica can fetch only what the first left (a partial batch); the memory lock keeps the
+            # decisions on each memory serial either way.
+            max_ack_pending=settings.memories_write_batch,
             ack_wait=settings.memories_ack_wait_s,
             # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
             # The handlers count deliveries of real failures and dead-letter after MEMORIES_MAX_DELIVER.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, literal_column, or_, select, text, update
+from sqlalchemy import Select, and_, delete, func, literal_column, or_, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -139,7 +139,35 @@ async def list_entries(
 
 async def lock_memory(session: AsyncSession, memory_id: str) -> None:
     """Serialise decisions on one memory for the rest of the transaction, across every writer replica."""
-    await session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"), {"key": memory_id})
+    await lock_memories(session, [memory_id])
+
+
+async def lock_memories(session: AsyncSession, memory_ids: Iterable[str]) -> None:
+    """`lock_memory` for several memories in one statement. Taken in one global order, so two transactions
+    locking overlapping sets wait for each other instead of deadlocking."""
+    keys = sorted(set(memory_ids))
+    await session.execute(
+        text(
+            "SELECT pg_advisory_xact_lock(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key"
+        ),
+        {"keys": keys},
+    )
+
+
+async def load_memories(session: AsyncSession, memory_ids: Iterable[str]) -> None:
+    """Bring these memories into the session, so that `session.get` answers for them without a query."""
+    await session.scalars(select(Memory).where(Memory.id.in_(set(memory_ids))))
+
+
+async def find_exact_copies(session: AsyncSession, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Which (memory id, content hash) pairs have a valid entry, in one query."""
+    pairs = tuple_(MemoryEntry.memory_id, MemoryEntry.content_hash)
+    rows = await session.execute(
+        select(MemoryEntry.memory_id, MemoryEntry.content_hash)
+        .where(pairs.in_(list(set(keys))), MemoryEntry.invalidated_at.is_(None))
+        .distinct()
+    )
+    return {(row.memory_id, row.content_hash) for row in rows}
 
 
 async def find_exact_copy(session: AsyncSession, memory_id: str, content_hash: str) -> Candidate | None:
@@ -219,16 +247,25 @@ async def get_write_outcome_for_project(
     return _visible(await session.get(WriteOutcome, write_id), project_id)
 
 
-async def save_write_outcome(session: AsyncSession, outcome: WriteOutcome) -> None:
-    """Insert or overwrite the write's record in one statement (the pending claim usually exists)."""
-    values = {column.key: getattr(outcome, column.key) for column in WriteOutcome.__table__.columns}
-    values.pop("created_at")
-    values["updated_at"] = func.now()
-    values["failed_attempts"] = values["failed_attempts"] or 0
+async def get_write_outcomes(session: AsyncSession, write_ids: Iterable[str]) -> dict[str, WriteOutcome]:
+    records = await session.scalars(select(WriteOutcome).where(WriteOutcome.write_id.in_(set(write_ids))))
+    return {record.write_id: record for record in records}
+
+
+async def save_write_outcomes(session: AsyncSession, outcomes: Sequence[WriteOutcome]) -> None:
+    """Insert or overwrite the writes' records in one statement (a pending claim may exist)."""
+    if not outcomes:
+        return
+    columns = [c.key for c in WriteOutcome.__table__.columns if c.key not in ("created_at", "updated_at")]
+    rows = [{key: getattr(outcome, key) for key in columns} | {"updated_at": func.now()} for outcome in outcomes]
+    for row in rows:
+        row["failed_attempts"] = row["failed_attempts"] or 0
+    statement = insert(WriteOutcome).values(rows)
     await session.execute(
-        insert(WriteOutcome)
-        .values(**values)
-        .on_conflict_do_update(index_elements=[WriteOutcome.write_id], set_=values)
+        statement.on_conflict_do_update(
+            index_elements=[WriteOutcome.write_id],
+            set_={key: statement.excluded[key] for key in [*columns, "updated_at"] if key != "write_id"},
+        )
     )
 
 

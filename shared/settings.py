@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     memories_ack_wait_s: float = Field(default=30.0, gt=0)
     memories_max_deliver: int = Field(default=5, ge=1)
     memories_retry_backoff_s: float = Field(default=1.0, gt=0, description="first redelivery delay; doubles")
+    memories_write_batch: int = Field(
+        default=32, ge=1, le=512, description="queued writes of a partition a writer decides in one transaction"
+    )
 
     # Models. The embedding dimension is fixed by the first migration.
     embedding_model: str = "local/all-minilm-l6-v2-int8"

@@ -1,9 +1,13 @@
-"""Applying one write event: the writer's unit of work around `shared.decision.decide`.
+"""Applying write events: the writer's unit of work around `shared.decision.decide`.
 
-Order matters: the embedding (the expensive part) is computed before the memory's lock is taken; inside
+Order matters: the embeddings (the expensive part) are computed before the memory's lock is taken; inside
 one transaction the lock is taken, the write id's stored outcome is reused if it exists, the decision is
 made and applied, and the outcome and its audit record are stored with it. A redelivered event therefore
 has one effect.
+
+A partition's queued events are applied as a batch (`apply_batch`): one query finds the exact copies, one
+model call embeds the rest, and one transaction decides them in order, so the serial part of a write is
+its lookup, decision and insert.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import func
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
@@ -68,14 +71,6 @@ class Written:
     content: str
 
 
-class MemoryGone(Exception):
-    """The target memory does not exist (any more): the write cannot apply."""
-
-
-class ForeignMemory(Exception):
-    """The event names a memory of another project: never applied, whoever sent it."""
-
-
 class WriteApplier:
     def __init__(
         self,
@@ -97,25 +92,91 @@ class WriteApplier:
         """Decide and apply one write. `embedding` may be precomputed by a batching caller."""
         digest = content_hash(event.content)
         try:
-            if embedding is None and not await self._has_exact_copy(event.memory_id, digest):
+            if embedding is None and not await self._exact_copies([(event.memory_id, digest)]):
                 embedding = await self._embed_one(event.content)
-            async with self._sessions.begin() as session:
-                return await self._apply_locked(session, event, digest, embedding)
         except EmbeddingError as exc:
             return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
-        except MemoryGone:
-            return await self._record_failure(event, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
-        except ForeignMemory:
-            # To the sender it is simply not found (no existence is revealed); to operators, a dead letter.
-            failure = await self._record_failure(event, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
-            reason = f"write event of project {event.project_id} names a memory of another project"
-            return AppliedWrite(failure.outcome, None, rejected=reason)
+        try:
+            async with self._sessions.begin() as session:
+                await repo.lock_memories(session, [event.memory_id])
+                stored = await repo.get_write_outcome(session, event.write_id)
+                decided = await self._decide_locked(session, event, digest, embedding, stored)
+                await self._store(session, [decided])
+                return decided.applied
+        except EmbeddingError as exc:
+            return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
 
-    async def _has_exact_copy(self, memory_id: str, digest: str) -> bool:
+    async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Exception]:
+        """Apply events in their order: one exact-copy query, one embedding call, one transaction.
+
+        Each event gets its result, or the exception that stopped it (the caller retries that one). When a
+        write spoils the shared transaction, every event of the batch is applied alone, so only that write
+        fails and the others are not held back by it.
+        """
+        if len(events) == 1:
+            return [await self._apply_isolated(events[0], None)]
+        digests = [content_hash(event.content) for event in events]
+        results: list[AppliedWrite | Exception | None] = [None] * len(events)
+        embeddings: list[list[float] | None] = [None] * len(events)
+        copies = await self._exact_copies([(e.memory_id, d) for e, d in zip(events, digests, strict=True)])
+        unseen = [i for i, e in enumerate(events) if (e.memory_id, digests[i]) not in copies]
+        if unseen:
+            try:
+                vectors = await self._embed([events[i].content for i in unseen])
+            except EmbeddingError as exc:
+                for i in unseen:
+                    results[i] = await self._record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
+            else:
+                for i, vector in zip(unseen, vectors, strict=True):
+                    embeddings[i] = vector
+        todo = [i for i in range(len(events)) if results[i] is None]
+        try:
+            async with self._sessions.begin() as session:
+                decided = await self._decide_batch(session, [events[i] for i in todo], [digests[i] for i in todo],
+                                                   [embeddings[i] for i in todo])
+                await self._store(session, decided)
+            for i, one in zip(todo, decided, strict=True):
+                results[i] = one.applied
+        except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
+            for i in todo:
+                results[i] = await self._apply_isolated(events[i], embeddings[i])
+        return [result for result in results if result is not None]
+
+    async def _apply_isolated(self, event: MemoryWriteRequested, embedding: list[float] | None) -> AppliedWrite | Exception:
+        try:
+            return await self.apply(event, embedding)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
+            return exc
+
+    async def _decide_batch(
+        self,
+        session: AsyncSession,
+        events: Sequence[MemoryWriteRequested],
+        digests: Sequence[str],
+        embeddings: Sequence[list[float] | None],
+    ) -> list[Decided]:
+        await repo.lock_memories(session, [event.memory_id for event in events])
+        # Read once for the batch, under the locks: no other writer can change these records meanwhile.
+        stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
+        await repo.load_memories(session, [event.memory_id for event in events])
+        decided: list[Decided] = []
+        earlier: dict[str, Decided] = {}
+        for event, digest, embedding in zip(events, digests, embeddings, strict=True):
+            if event.write_id in earlier:  # the same write delivered twice in one batch: one effect
+                outcome = earlier[event.write_id].applied.outcome
+                decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
+                continue
+            one = await self._decide_locked(session, event, digest, embedding, stored.get(event.write_id))
+            earlier[event.write_id] = one
+            decided.append(one)
+        return decided
+
+    async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which (memory id, content hash) pairs have a valid entry: those need no embedding."""
         async with self._sessions() as session:
             # A lone read needs no transaction: autocommit spares the BEGIN and ROLLBACK round trips.
             await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
-            return await repo.find_exact_copy(session, memory_id, digest) is not None
+            return await repo.find_exact_copies(session, keys)
 
     async def _embed_one(self, content: str) -> list[float]:
         return (await self._embed([content]))[0]
@@ -128,19 +189,26 @@ class WriteApplier:
         agent = event.agent or self._default_agent
         return merge, ModelSteps(agent, self._llm_timeout) if agent else None
 
-    async def _apply_locked(
-        self, session: AsyncSession, event: MemoryWriteRequested, digest: str, embedding: list[float] | None
-    ) -> AppliedWrite:
-        await repo.lock_memory(session, event.memory_id)
-        stored = await repo.get_write_outcome(session, event.write_id)
+    async def _decide_locked(
+        self,
+        session: AsyncSession,
+        event: MemoryWriteRequested,
+        digest: str,
+        embedding: list[float] | None,
+        stored: WriteOutcome | None,
+    ) -> Decided:
+        """Decide one write and carry it out; the caller holds the memory's lock and stores the records."""
         if stored is not None and stored.status == "applied":
-            return AppliedWrite(outcome_of(stored), None, replayed=True)
+            return Decided(AppliedWrite(outcome_of(stored), None, replayed=True))
 
         memory = await session.get(Memory, event.memory_id)
-        if memory is None:
-            raise MemoryGone(event.memory_id)  # deleted after the API accepted the write
+        if memory is None:  # deleted after the API accepted the write
+            return _failure(event, stored, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
         if memory.project_id != event.project_id:
-            raise ForeignMemory(event.memory_id)
+            # To the sender it is simply not found (no existence is revealed); to operators, a dead letter.
+            failed = _failure(event, stored, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
+            reason = f"write event of project {event.project_id} names a memory of another project"
+            return Decided(AppliedWrite(failed.applied.outcome, None, rejected=reason), failed.record)
 
         policy = event.write_policy or WritePolicy(memory.write_policy)
         exact = await repo.find_exact_copy(session, event.memory_id, digest)
@@ -159,7 +227,7 @@ class WriteApplier:
             arbitrate=arbitration.arbitrate if arbitration else None,
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
-        outcome = WriteOutcome(
+        record = WriteOutcome(
             write_id=event.write_id,
             project_id=event.project_id,
             memory_id=event.memory_id,
@@ -168,16 +236,24 @@ class WriteApplier:
             entry_id=entry.id,
             score=decision.score,
             failed_attempts=stored.failed_attempts if stored else 0,
-            updated_at=func.now(),
         )
-        await repo.save_write_outcome(session, outcome)
         model_steps = arbitration if decision.rule.startswith("arbitrated") else merge
-        await repo.add_history(session, _history(event, decision, entry, nearest, model_steps))
         for steps in {id(s): s for s in (merge, arbitration) if s}.values():
             for purpose, completion in steps.completions:
                 await registry.add_usage(session, event.project_id, steps.agent.ai_provider_id, completion, purpose)
         superseded = decision.target.entry_id if decision.action is WriteAction.SUPERSEDED and decision.target else None
-        return AppliedWrite(outcome_of(outcome), change, superseded)
+        return Decided(
+            AppliedWrite(outcome_of(record), change, superseded),
+            record,
+            _history(event, decision, entry, nearest, model_steps),
+        )
+
+    @staticmethod
+    async def _store(session: AsyncSession, decided: Sequence[Decided]) -> None:
+        """The batch's outcomes in one statement and its audit records in one flush."""
+        await repo.save_write_outcomes(session, [one.record for one in decided if one.record is not None])
+        session.add_all([one.history for one in decided if one.history is not None])
+        await session.flush()
 
     async def _carry_out(
         self,
@@ -245,18 +321,31 @@ class WriteApplier:
             stored = await repo.get_write_outcome(session, event.write_id)
             if stored is not None and stored.status == "applied":
                 return AppliedWrite(outcome_of(stored), None, replayed=True)
-            failure = WriteOutcome(
-                write_id=event.write_id,
-                project_id=event.project_id,
-                memory_id=event.memory_id,
-                status="failed",
-                error_code=code,
-                error_message=message,
-                failed_attempts=(stored.failed_attempts if stored else 0) + 1,
-                updated_at=func.now(),
-            )
-            await repo.save_write_outcome(session, failure)
-        return AppliedWrite(outcome_of(failure), None)
+            failed = _failure(event, stored, code, message)
+            await self._store(session, [failed])
+        return failed.applied
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """One write decided inside a transaction: its result and the records to store with it."""
+
+    applied: AppliedWrite
+    record: WriteOutcome | None = None  # None for a replay: its record is stored already
+    history: EntryHistory | None = None
+
+
+def _failure(event: MemoryWriteRequested, stored: WriteOutcome | None, code: str, message: str) -> Decided:
+    record = WriteOutcome(
+        write_id=event.write_id,
+        project_id=event.project_id,
+        memory_id=event.memory_id,
+        status="failed",
+        error_code=code,
+        error_message=message,
+        failed_attempts=(stored.failed_attempts if stored else 0) + 1,
+    )
+    return Decided(AppliedWrite(outcome_of(record), None), record)
 
 
 def _history(

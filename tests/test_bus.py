@@ -20,11 +20,11 @@ def test_partition_is_crc32_mod_n_and_stable() -> None:
     assert spread == set(range(16))
 
 
-def test_writer_consumers_allow_one_write_in_flight_per_partition() -> None:
-    plan = bus.layout(Settings(memories_partitions=4))
+def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
+    plan = bus.layout(Settings(memories_partitions=4, memories_write_batch=24))
     writers = plan.consumers[bus.WRITES_STREAM]
     assert [c.filter_subject for c in writers] == [f"memories.write.{p}.*" for p in range(4)]
-    assert all(c.max_ack_pending == 1 and c.max_deliver == -1 for c in writers)
+    assert all(c.max_ack_pending == 24 and c.max_deliver == -1 for c in writers)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""One write message in, one decision out: decode, apply through shared.writes, ack, announce.
+"""A partition's write messages in, one decision each: decode, apply through shared.writes, ack, announce.
 
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
 an outage of the database or the bus is retried with backoff for as long as it lasts; any other failure
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
-from faststream.nats.message import NatsMessage
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from shared import bus, metrics
@@ -32,42 +33,57 @@ class WriteHandler:
         self._max_deliver = settings.memories_max_deliver
         self._backoff = settings.memories_retry_backoff_s
 
-    async def handle(self, message: NatsMessage) -> None:
-        raw = message.raw_message
+    async def handle_batch(self, messages: Sequence[Msg]) -> None:
+        """A partition's fetched messages, decided in their order and acknowledged one by one."""
+        events: list[tuple[Msg, MemoryWriteRequested]] = []
+        for message in messages:
+            event = await self._decode(message)
+            if event is not None:
+                events.append((message, event))
+        if not events:
+            return
         try:
-            event = MemoryWriteRequested.model_validate_json(message.body)
+            results = await self._applier.apply_batch([event for _, event in events])
+        except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
+            results = [exc] * len(events)
+        for (message, event), result in zip(events, results, strict=True):
+            # Every line logged while this write is handled, here or in shared code, names it.
+            with log_context(write_id=event.write_id, memory_id=event.memory_id):
+                if isinstance(result, Exception):
+                    await self._retry_or_give_up(message, result)
+                else:
+                    await self._settle(message, event, result)
+
+    async def _decode(self, message: Msg) -> MemoryWriteRequested | None:
+        """The message's event; None when it was dead-lettered (retrying cannot fix a malformed one)."""
+        try:
+            event = MemoryWriteRequested.model_validate_json(message.data)
         except ValidationError as exc:
-            with log_context(**_ids_of_undecodable(raw.subject, message.body)):
-                await self.dead_letter(raw.subject, message.body, reason=f"invalid write event: {exc.errors()[:3]}")
+            with log_context(**_ids_of_undecodable(message.subject, message.data)):
+                await self.dead_letter(message.subject, message.data, reason=f"invalid write event: {exc.errors()[:3]}")
             await message.ack()
-            return
-        # Every line logged while this write is handled, here or in shared code, names it.
-        with log_context(write_id=event.write_id, memory_id=event.memory_id):
-            await self._handle_event(message, event)
-
-    async def _handle_event(self, message: NatsMessage, event: MemoryWriteRequested) -> None:
-        raw = message.raw_message
-        if not raw.subject.endswith(f".{event.memory_id}"):
-            await self.dead_letter(raw.subject, message.body, reason="subject does not name the event's memory")
+            return None
+        if not message.subject.endswith(f".{event.memory_id}"):
+            with log_context(write_id=event.write_id, memory_id=event.memory_id):
+                await self.dead_letter(message.subject, message.data, reason="subject does not name the event's memory")
             await message.ack()
-            return
+            return None
+        return event
 
-        try:
-            applied = await self._applier.apply(event)
-        except Exception as exc:
-            delivered = raw.metadata.num_delivered if raw.metadata else 1
-            log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
-            if not bus.is_outage(exc) and delivered >= self._max_deliver:
-                await self.dead_letter(raw.subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
-                await message.ack()
-            else:
-                await message.nack(delay=bus.retry_delay(self._backoff, delivered))
-            return
+    async def _retry_or_give_up(self, message: Msg, exc: Exception) -> None:
+        delivered = message.metadata.num_delivered if message.metadata else 1
+        log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
+        if not bus.is_outage(exc) and delivered >= self._max_deliver:
+            await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
+            await message.ack()
+        else:
+            await message.nak(delay=bus.retry_delay(self._backoff, delivered))
 
+    async def _settle(self, message: Msg, event: MemoryWriteRequested, applied: AppliedWrite) -> None:
         # Counted at commit, before the ack: a lost ack comes back as a replay and is not counted twice.
         _count(event, applied)
         if applied.rejected:
-            await self.dead_letter(raw.subject, message.body, reason=applied.rejected)
+            await self.dead_letter(message.subject, message.data, reason=applied.rejected)
         await message.ack()
         outcome = applied.outcome
         if outcome.error is not None:

@@ -1,12 +1,14 @@
 """The writer: consumes MEMORY_WRITES, one durable pull consumer per partition, and decides each write.
 
 Any number of replicas may run: each binds to every partition's durable consumer (or to the partitions it
-is given), and `max_ack_pending=1` on those consumers lets only one write per partition be in flight across
-all of them. The database lock and the write-outcome table make redeliveries harmless.
+is given) and decides a partition's queued writes as one batch, in order (services.writer.partitions).
+`max_ack_pending` on those consumers is one batch; the database lock keeps the decisions on a memory
+serial across replicas, and the write-outcome table makes redeliveries harmless.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -14,6 +16,7 @@ from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
 
 from services.writer.handler import WriteHandler
+from services.writer.partitions import PartitionConsumer
 from services.writer.provenance import ProvenanceHandler
 from shared import bus, metrics
 from shared.batching import BatchingEmbedder
@@ -42,17 +45,9 @@ class Writer(ConsumerProcess):
         self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
-        for partition in self.partitions:
-            subscriber = self.subscribe(
-                bus.partition_filter(partition), bus.WRITES_STREAM, bus.writer_durable(partition), batch_size=1
-            )
-            subscriber(self._handle_write)
+        self._partition_consumers: list[PartitionConsumer] = []
         for durable, subject in _DELETIONS:
             self.subscribe(subject, bus.GENERATIONS_STREAM, durable, batch_size=1)(self._handle_deletion)
-
-    async def _handle_write(self, message: NatsMessage) -> None:
-        assert self._handler is not None
-        await self._handler.handle(message)
 
     async def _handle_deletion(self, message: NatsMessage) -> None:
         assert self._provenance is not None
@@ -75,7 +70,27 @@ class Writer(ConsumerProcess):
         await embed_batch(["warm up"])  # loads litellm and the model before the first write waits on them
         self._handler = WriteHandler(applier, nc, self.settings)
         self._provenance = ProvenanceHandler(session_factory(self.engine), self._handler.dead_letter)
+
+    async def start(self) -> None:
+        await super().start()
+        assert self.nc is not None and self._handler is not None
+        self._partition_consumers = [
+            PartitionConsumer(
+                self.nc.jetstream(),
+                partition,
+                self._handler.handle_batch,
+                batch=self.settings.memories_write_batch,
+                ack_wait_s=self.settings.memories_ack_wait_s,
+            )
+            for partition in self.partitions
+        ]
+        for consumer in self._partition_consumers:
+            consumer.start()
         log.info("writer consuming partitions %s", _ranges(self.partitions))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(consumer.stop(timeout=10.0) for consumer in self._partition_consumers))
+        await super().stop()
 
     def consumers(self) -> list[metrics.ConsumerRef]:
         """Its partitions and the deletions, so their lag shows while this replica runs."""

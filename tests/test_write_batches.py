@@ -1,0 +1,142 @@
+"""A partition's queued writes decided as one batch (shared.writes.WriteApplier.apply_batch), against the
+real database: one embedding call for the texts that need one, decisions in order within the batch, one
+effect per write id, and a write that spoils the batch failing alone."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.events import MemoryWriteRequested, WriteAction
+from shared.ids import new_write_id
+from shared.writes import AppliedWrite, Decided, WriteApplier
+
+
+class CountingEmbedder:
+    """Unrelated texts get unrelated unit vectors; every call is recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    async def __call__(self, texts: Sequence[str]) -> list[list[float]]:
+        self.calls.append(list(texts))
+        vectors = []
+        for text in texts:
+            rng = random.Random(zlib.crc32(text.encode()))
+            vector = [rng.gauss(0, 1) for _ in range(384)]
+            norm = sum(x * x for x in vector) ** 0.5
+            vectors.append([x / norm for x in vector])
+        return vectors
+
+
+def write(memory: dict[str, Any], content: str, write_id: str | None = None) -> MemoryWriteRequested:
+    return MemoryWriteRequested(
+        event_id=write_id or new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content
+    )
+
+
+def actions(results: Sequence[AppliedWrite | Exception]) -> list[str | None]:
+    return [r.outcome.action.value if isinstance(r, AppliedWrite) and r.outcome.action else repr(r) for r in results]
+
+
+async def valid_contents(sessions: async_sessionmaker[AsyncSession], memory_id: str) -> list[str]:
+    async with sessions() as session:
+        rows = await session.scalars(
+            select(MemoryEntry.content)
+            .where(MemoryEntry.memory_id == memory_id, MemoryEntry.invalidated_at.is_(None))
+            .order_by(MemoryEntry.created_at, MemoryEntry.id)
+        )
+        return list(rows)
+
+
+async def test_a_batch_is_decided_in_order_with_one_embedding_call(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
+    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    embedder = CountingEmbedder()
+    applier = WriteApplier(sessions, embedder, "counting")
+    assert actions(await applier.apply_batch([write(first, "Ada prefers tea")])) == ["created"]
+    assert len(embedder.calls) == 1
+
+    repeated = write(second, "Bob uses Linux")
+    batch = [
+        write(first, "ada prefers TEA."),  # an exact copy (normalised) of a stored entry: no embedding
+        write(first, "Ada lives in Paris"),
+        repeated,
+        write(second, "Bob uses Linux"),  # a copy of a write earlier in this very batch
+        repeated,  # the same write delivered twice: one effect
+        write(first, "Ada lives in Paris!"),
+    ]
+    results = await applier.apply_batch(batch)
+    assert actions(results) == ["skipped", "created", "created", "skipped", "created", "skipped"]
+    assert isinstance(results[4], AppliedWrite) and results[4].replayed
+    assert results[4].outcome == results[2].outcome  # type: ignore[union-attr]
+    # One call for the batch, without the text that had a stored exact copy.
+    assert len(embedder.calls) == 2 and "ada prefers TEA." not in embedder.calls[1]
+    assert await valid_contents(sessions, first["id"]) == ["Ada prefers tea", "Ada lives in Paris"]
+    assert await valid_contents(sessions, second["id"]) == ["Bob uses Linux"]
+    async with sessions() as session:
+        outcomes = {o.write_id: o for o in await session.scalars(
+            select(WriteOutcome).where(WriteOutcome.write_id.in_([e.write_id for e in batch]))
+        )}
+        audited = list(await session.scalars(
+            select(EntryHistory.write_id).where(EntryHistory.write_id.in_([e.write_id for e in batch]))
+        ))
+    assert len(outcomes) == 5 and all(o.status == "applied" for o in outcomes.values())
+    assert sorted(audited) == sorted({e.write_id for e in batch})  # one audit record per write, not per delivery
+
+
+async def test_a_write_that_spoils_the_batch_fails_alone(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    class Spoiling(WriteApplier):
+        async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any) -> Decided:
+            decided = await super()._decide_locked(session, event, *args)
+            if event.content == "poison":
+                raise RuntimeError("this write breaks its transaction")
+            return decided
+
+    applier = Spoiling(sessions, CountingEmbedder(), "counting")
+    gone = (await client.post("/memories", json={"project_id": memory["project_id"], "name": "gone"})).json()
+    await client.delete(f"/memories/{gone['id']}")
+    batch = [write(memory, "Carol drives"), write(memory, "poison"), write(gone, "Too late"), write(memory, "Dan cooks")]
+    results = await applier.apply_batch(batch)
+    assert actions(results)[0] == "created" and actions(results)[3] == "created"
+    assert isinstance(results[1], RuntimeError)
+    # Not an exception: a decided failure, stored so that a retry with the same key can try again.
+    assert isinstance(results[2], AppliedWrite) and results[2].outcome.error is not None
+    assert results[2].outcome.error.status == 404
+    # The rolled-back batch left nothing behind: each survivor exists once, the poison not at all.
+    assert await valid_contents(sessions, memory["id"]) == ["Carol drives", "Dan cooks"]
+    async with sessions() as session:
+        assert await session.get(WriteOutcome, batch[1].write_id) is None
+        failed = await session.get(WriteOutcome, batch[2].write_id)
+    assert failed is not None and failed.status == "failed" and failed.error_code == "RESOURCE_NOT_FOUND"
+
+
+async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    from shared.embeddings import EmbeddingError
+
+    working = WriteApplier(sessions, CountingEmbedder(), "counting")
+    assert actions(await working.apply_batch([write(memory, "Erin skis")])) == ["created"]
+
+    async def down(_texts: Sequence[str]) -> list[list[float]]:
+        raise EmbeddingError("counting", "provider down")
+
+    results = await WriteApplier(sessions, down, "counting").apply_batch(
+        [write(memory, "Erin skis"), write(memory, "Frank sails")]
+    )
+    assert isinstance(results[0], AppliedWrite) and results[0].outcome.action is WriteAction.SKIPPED
+    assert isinstance(results[1], AppliedWrite) and results[1].outcome.error is not None
+    assert results[1].outcome.error.code == "EMBEDDING_UNAVAILABLE"
+    assert await valid_contents(sessions, memory["id"]) == ["Erin skis"]
