@@ -277,8 +277,9 @@ class EmbeddedPostgres(_ChildServer):
     def _command(self) -> list[str]:
         # The unix socket (for psql) goes in PGDATA unless the path is too long for sun_path: TCP only then.
         sock_dir = str(self.data_dir) if len(str(self.data_dir)) < 90 else ""
+        # Room for every service's pool on one machine (api, writers, extractors, and the tests' own).
         return [str(_pg_bin() / "postgres"), "-D", str(self.data_dir), "-h", LOOPBACK, "-p", str(self.port),
-                "-k", sock_dir, *self.extra_args]
+                "-k", sock_dir, "-c", "max_connections=300", *self.extra_args]
 
     def connect(self, dbname: str | None = None) -> psycopg.Connection[Any]:
         return psycopg.connect(host=LOOPBACK, port=self.port, user="postgres", dbname=dbname or self.database,

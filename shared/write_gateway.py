@@ -1,9 +1,11 @@
 """Submitting a write and waiting for the writer's decision: used by every write route of the API, and
 callable from Python by an agent platform that runs next to the service.
 
-A submission claims its write id in the database (a pending record), publishes the event to JetStream
-with a reply subject of this process, and waits. A known id returns its stored outcome; an id another
-caller is already publishing is awaited through the database.
+A submission of a caller-chosen write id (an Idempotency-Key, an extraction's derived id) claims it in the
+database first (a pending record): a known id returns its stored outcome, an id another caller is already
+publishing is awaited through the database. A fresh id needs no claim: nobody else can know it, so it is
+published at once and recorded as pending only if the writer has not answered in time (for the 202).
+Either way the event goes to JetStream with a reply subject of this process, and the caller waits.
 """
 
 from __future__ import annotations
@@ -61,11 +63,19 @@ class WriteGateway:
         if future is not None and not future.done():
             future.set_result(outcome)
 
-    async def submit(self, event: MemoryWriteRequested, *, timeout: float) -> MemoryWriteOutcome | None:
+    async def submit(
+        self, event: MemoryWriteRequested, *, timeout: float, fresh_id: bool = False
+    ) -> MemoryWriteOutcome | None:
         """The write's outcome, or None when the writer has not decided within `timeout` (it stays queued).
 
+        `fresh_id`: the write id was generated for this call alone (no Idempotency-Key).
         Raises BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
         """
+        if fresh_id:
+            outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout)
+            if outcome is None:
+                await self._record_pending(event)
+            return outcome
         async with self._sessions() as session:
             record, owned = await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
             await session.commit()
@@ -78,6 +88,12 @@ class WriteGateway:
         except BusUnavailable:
             await self._release_claim(event.write_id)
             raise
+
+    async def _record_pending(self, event: MemoryWriteRequested) -> None:
+        """So that the 202's write id can be looked up while it waits in the queue (unless decided already)."""
+        async with self._sessions() as session:
+            await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            await session.commit()
 
     async def _release_claim(self, write_id: str) -> None:
         try:

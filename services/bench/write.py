@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from services.bench._cpu import snapshot
 from services.bench._system import bench_environment
 from shared.embeddings import embed_texts
 from shared.servers import free_port
@@ -55,14 +56,16 @@ class Run:
     latencies: list[float]
     seconds: float
     actions: Counter[str]
+    cpu: dict[str, float]  # CPU seconds spent during the run, by process
 
-    def row(self) -> str:
+    def row(self, processes: list[str]) -> str:
         lat = sorted(self.latencies)
         pct = lambda q: 1000 * lat[min(len(lat) - 1, int(q * len(lat)))]
         rate = len(lat) / self.seconds
         actions = ", ".join(f"{k} {v}" for k, v in sorted(self.actions.items()))
+        per_write = " / ".join(f"{1000 * self.cpu.get(name, 0.0) / len(lat):.1f}" for name in processes)
         return (f"| {self.name} | {len(lat)} | {rate:,.0f} | {1000 * statistics.median(lat):.1f} | {pct(0.95):.1f} "
-                f"| {pct(0.99):.1f} | {actions} |")
+                f"| {pct(0.99):.1f} | {per_write} | {actions} |")
 
 
 class RawConnection:
@@ -94,7 +97,7 @@ class RawConnection:
             self._writer.close()
 
 
-async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: int) -> Run:
+async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: int, pids: dict[str, int]) -> Run:
     host, port = base.removeprefix("http://").split(":")
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for memory_id, content in writes:
@@ -114,12 +117,16 @@ async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: in
         finally:
             connection.close()
 
+    cpu_before, load_before = snapshot(pids), time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
-    return Run(name, latencies, time.perf_counter() - started, actions)
+    seconds = time.perf_counter() - started
+    cpu = {name: used - cpu_before[name] for name, used in snapshot(pids).items()}
+    cpu["load"] = time.process_time() - load_before
+    return Run(name, latencies, seconds, actions, cpu)
 
 
-async def scenarios(base: str, args: argparse.Namespace) -> list[Run]:
+async def scenarios(base: str, args: argparse.Namespace, pids: dict[str, int]) -> list[Run]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with httpx.AsyncClient(base_url=f"{base}/api/v1", headers=headers, timeout=60) as client:
         project = (await client.post("/projects", json={"name": "bench"})).json()["id"]
@@ -130,12 +137,13 @@ async def scenarios(base: str, args: argparse.Namespace) -> list[Run]:
         hammered = (await client.post("/memories", json={"project_id": project, "name": "one"})).json()["id"]
         texts = facts(args.writes, seed=1)
         spread = [(memories[i % len(memories)], text) for i, text in enumerate(texts)]
-    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4)
-    runs = [await drive(base, "created, many memories", spread, args.clients)]
-    runs.append(await drive(base, "exact copies", spread, args.clients))
-    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients))
+    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4, pids)
+    runs = [await drive(base, "created, many memories", spread, args.clients, pids)]
+    runs.append(await drive(base, "exact copies", spread, args.clients, pids))
+    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients, pids))
     one = [(hammered, text) for text in facts(args.writes // 2, seed=2)]
-    runs.append(await drive(base, f"{args.one_memory_clients} clients, one memory", one, args.one_memory_clients))
+    name = f"{args.one_memory_clients} clients, one memory"
+    runs.append(await drive(base, name, one, args.one_memory_clients, pids))
     return runs
 
 
@@ -159,7 +167,8 @@ def main(argv: list[str]) -> int:
 
     settings = get_settings()
     children: list[subprocess.Popen[bytes]] = []
-    with bench_environment(MEMORIES_ADMIN_TOKEN=TOKEN) as env:
+    pids: dict[str, int] = {}
+    with bench_environment(pids, MEMORIES_ADMIN_TOKEN=TOKEN) as env:
         try:
             port = free_port()
             log_dir = Path(os.environ.get("MEMORIES_BENCH_LOGS", os.devnull))
@@ -167,6 +176,7 @@ def main(argv: list[str]) -> int:
                 log = open(log_dir / f"{command[0]}.log", "a") if log_dir.is_dir() else subprocess.DEVNULL  # noqa: SIM115
                 children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command], env=env,
                                                  stdout=subprocess.DEVNULL, stderr=log))
+                pids[f"{command[0]}{len(children)}" if command[0] == "writer" else command[0]] = children[-1].pid
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -177,7 +187,7 @@ def main(argv: list[str]) -> int:
                     pass
                 time.sleep(0.5)
             time.sleep(5)  # the writer loads its model in its own time
-            runs = asyncio.run(scenarios(base, args))
+            runs = asyncio.run(scenarios(base, args, pids))
         finally:
             for child in children:
                 child.terminate()
@@ -191,11 +201,14 @@ def main(argv: list[str]) -> int:
     print(f"{args.clients} clients, {args.writes} writes per scenario over {args.memories} memories, "
           f"{args.writers} writer process(es), 1 API process; "
           f"embedder {settings.embedding_model}; {os.cpu_count()} cores\n")
-    print("| scenario | writes | writes/s | p50 ms | p95 ms | p99 ms | actions |")
-    print("|---|---|---|---|---|---|---|")
+    processes = [name for name in pids if name.startswith("writer")] + ["api", "postgres", "nats", "load"]
+    processes = [name for name in processes if name in runs[0].cpu]
+    print("| scenario | writes | writes/s | p50 ms | p95 ms | p99 ms "
+          f"| CPU ms per write: {' / '.join(processes)} | actions |")
+    print("|---|---|---|---|---|---|---|---|")
     for run in runs:
-        print(run.row())
+        print(run.row(processes))
     created = len(runs[0].latencies) / runs[0].seconds
-    print(f"| raw embedder, batches of 64 | {args.writes} | {embed_rate:,.0f} | | | | |")
+    print(f"| raw embedder, batches of 64 | {args.writes} | {embed_rate:,.0f} | | | | | |")
     print(f"\nmany-memory writes / raw batched embedder = {created / embed_rate:.0%} (target ≥ 70 %)")
     return 0

@@ -41,8 +41,9 @@ class Writer(ConsumerProcess):
     name = "writer"
 
     def __init__(self, settings: Settings, partitions: Sequence[int] | None = None) -> None:
-        super().__init__(settings, pool_size=8, graceful_timeout=10.0)
         self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
+        # A partition holds one connection at a time; the deletion consumers take two more.
+        super().__init__(settings, pool_size=min(len(self.partitions), 32) + 2, graceful_timeout=10.0)
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []

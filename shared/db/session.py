@@ -9,13 +9,16 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 
-def create_engine(database_url: str, *, pool_size: int = 10, pre_ping: bool = True) -> AsyncEngine:
-    """`pre_ping` costs a round trip per checkout; a consumer whose failed message is redelivered anyway
-    can do without it."""
+def create_engine(
+    database_url: str, *, pool_size: int = 24, max_overflow: int = 8, pre_ping: bool = True
+) -> AsyncEngine:
+    """`pool_size` should cover the usual concurrency: a connection beyond it is opened and closed per use,
+    and a new PostgreSQL backend costs more than the queries it runs. `pre_ping` costs a round trip per
+    checkout; a consumer whose failed message is redelivered anyway can do without it."""
     engine = create_async_engine(
         database_url,
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=max_overflow,
         pool_pre_ping=pre_ping,
         # A dead server must surface as an error quickly (503), not hang a request.
         connect_args={"connect_timeout": 5},

@@ -105,7 +105,7 @@ async def orchestration_write(
         raise ApiError(413 if event.content.strip() else 400, f"content must be 1 to {CONTENT_MAX_CHARS} characters")
     if event.tags is not None and len(event.tags) > TAGS_MAX_COUNT:
         raise ApiError(400, f"at most {TAGS_MAX_COUNT} tags", meta={"invalid_fields": ["tags"]})
-    return await submit_write(request, session, event)
+    return await submit_write(request, session, event, fresh_id=idempotency_key is None)
 
 
 class HistoryRecord(BaseModel):

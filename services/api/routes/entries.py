@@ -73,7 +73,7 @@ async def create_entry(
         duplicate_threshold=body.duplicate_threshold,
         write_policy=body.write_policy,
     )
-    return await submit_write(request, session, event)
+    return await submit_write(request, session, event, fresh_id=idempotency_key is None)
 
 
 def write_id_for(project_id: str, idempotency_key: str | None) -> str:
@@ -85,13 +85,15 @@ def write_id_for(project_id: str, idempotency_key: str | None) -> str:
     return keyed_write_id(project_id, idempotency_key)
 
 
-async def submit_write(request: Request, session: AsyncSession, event: MemoryWriteRequested) -> JSONResponse:
+async def submit_write(
+    request: Request, session: AsyncSession, event: MemoryWriteRequested, *, fresh_id: bool
+) -> JSONResponse:
     """Hand the write to the writer and answer with its decision (201/200), its error, or 202 pending."""
     # Give the connection back while waiting on the writer: a waiting request must not hold a pool slot.
     await session.rollback()
     try:
         outcome = await request.app.state.gateway.submit(
-            event, timeout=request.app.state.settings.memories_write_timeout_s
+            event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id
         )
     except BusUnavailable as exc:
         raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})") from exc
