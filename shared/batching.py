@@ -1,29 +1,33 @@
-"""Coalesce concurrent embedding requests into one model call.
+"""Coalesce concurrent calls of a batch function into fewer, larger calls.
 
-Writers handle many partitions at once; each handler asks for one text. One batched call for 32 texts
-costs far less than 32 calls, and no request waits for a timer: a batch is sent as soon as the previous
-one returns, carrying whatever queued up meanwhile.
+A writer handles many partitions at once. Each partition's handler asks for its texts' embeddings, and
+for its writes' decisions; one model call for 32 texts costs far less than 32 calls, and one transaction
+for the writes of several partitions far less than one each. No caller waits for a timer: a batch is sent
+as soon as the previous one returns, carrying whatever queued up meanwhile, in arrival order (a caller's
+items stay in their order, so a partition's writes are still decided in sequence).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
 
-EmbedBatch = Callable[[list[str]], Awaitable[list[list[float]]]]
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
-class BatchingEmbedder:
-    def __init__(self, embed_batch: EmbedBatch, max_batch: int = 64) -> None:
-        self._embed_batch = embed_batch
+class Coalescer(Generic[Item, Result]):
+    def __init__(self, call_batch: Callable[[list[Item]], Awaitable[Sequence[Result]]], max_batch: int = 64) -> None:
+        self._call_batch = call_batch
         self._max_batch = max_batch
-        self._queue: list[tuple[str, asyncio.Future[list[float]]]] = []
+        self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
         self._worker: asyncio.Task[None] | None = None
 
-    async def __call__(self, texts: Sequence[str]) -> list[list[float]]:
+    async def __call__(self, items: Sequence[Item]) -> list[Result]:
         loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in texts]
-        self._queue.extend(zip(texts, futures, strict=True))
+        futures = [loop.create_future() for _ in items]
+        self._queue.extend(zip(items, futures, strict=True))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return list(await asyncio.gather(*futures))
@@ -32,12 +36,12 @@ class BatchingEmbedder:
         while self._queue:
             batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
             try:
-                vectors = await self._embed_batch([text for text, _ in batch])
+                results = await self._call_batch([item for item, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every waiter of the batch gets the failure
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, future), vector in zip(batch, vectors, strict=True):
+            for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
-                    future.set_result(vector)
+                    future.set_result(result)

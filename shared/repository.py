@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Select, and_, delete, func, literal_column, or_, select, text, tuple_, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.dialects.postgresql import distinct_on, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared import iam
@@ -159,31 +159,18 @@ async def load_memories(session: AsyncSession, memory_ids: Iterable[str]) -> Non
     await session.scalars(select(Memory).where(Memory.id.in_(set(memory_ids))))
 
 
-async def find_exact_copies(session: AsyncSession, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Which (memory id, content hash) pairs have a valid entry, in one query."""
+async def find_exact_copies(
+    session: AsyncSession, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], Candidate]:
+    """The oldest valid entry of each (memory id, content hash) pair that has one, in one query."""
     pairs = tuple_(MemoryEntry.memory_id, MemoryEntry.content_hash)
     rows = await session.execute(
-        select(MemoryEntry.memory_id, MemoryEntry.content_hash)
+        select(MemoryEntry.memory_id, MemoryEntry.content_hash, MemoryEntry.id, MemoryEntry.content)
         .where(pairs.in_(list(set(keys))), MemoryEntry.invalidated_at.is_(None))
-        .distinct()
+        .ext(distinct_on(MemoryEntry.memory_id, MemoryEntry.content_hash))
+        .order_by(MemoryEntry.memory_id, MemoryEntry.content_hash, MemoryEntry.created_at, MemoryEntry.id)
     )
-    return {(row.memory_id, row.content_hash) for row in rows}
-
-
-async def find_exact_copy(session: AsyncSession, memory_id: str, content_hash: str) -> Candidate | None:
-    row = (
-        await session.execute(
-            select(MemoryEntry.id, MemoryEntry.content)
-            .where(
-                MemoryEntry.memory_id == memory_id,
-                MemoryEntry.content_hash == content_hash,
-                MemoryEntry.invalidated_at.is_(None),
-            )
-            .order_by(MemoryEntry.created_at, MemoryEntry.id)
-            .limit(1)
-        )
-    ).first()
-    return Candidate(row.id, row.content, 1.0) if row else None
+    return {(row.memory_id, row.content_hash): Candidate(row.id, row.content, 1.0) for row in rows}
 
 
 async def find_nearest(

@@ -98,11 +98,9 @@ class WriteApplier:
             return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
         try:
             async with self._sessions.begin() as session:
-                await repo.lock_memories(session, [event.memory_id])
-                stored = await repo.get_write_outcome(session, event.write_id)
-                decided = await self._decide_locked(session, event, digest, embedding, stored)
-                await self._store(session, [decided])
-                return decided.applied
+                decided = await self._decide_batch(session, [event], [digest], [embedding])
+                await self._store(session, decided)
+                return decided[0].applied
         except EmbeddingError as exc:
             return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
 
@@ -156,9 +154,10 @@ class WriteApplier:
         embeddings: Sequence[list[float] | None],
     ) -> list[Decided]:
         await repo.lock_memories(session, [event.memory_id for event in events])
-        # Read once for the batch, under the locks: no other writer can change these records meanwhile.
+        # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
         await repo.load_memories(session, [event.memory_id for event in events])
+        copies = ExactCopies(await repo.find_exact_copies(session, list(zip([e.memory_id for e in events], digests))))
         decided: list[Decided] = []
         earlier: dict[str, Decided] = {}
         for event, digest, embedding in zip(events, digests, embeddings, strict=True):
@@ -166,13 +165,13 @@ class WriteApplier:
                 outcome = earlier[event.write_id].applied.outcome
                 decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
                 continue
-            one = await self._decide_locked(session, event, digest, embedding, stored.get(event.write_id))
+            one = await self._decide_locked(session, event, digest, embedding, stored.get(event.write_id), copies)
             earlier[event.write_id] = one
             decided.append(one)
         return decided
 
-    async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Which (memory id, content hash) pairs have a valid entry: those need no embedding."""
+    async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Candidate]:
+        """The (memory id, content hash) pairs that have a valid entry: those need no embedding."""
         async with self._sessions() as session:
             # A lone read needs no transaction: autocommit spares the BEGIN and ROLLBACK round trips.
             await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
@@ -196,6 +195,7 @@ class WriteApplier:
         digest: str,
         embedding: list[float] | None,
         stored: WriteOutcome | None,
+        copies: ExactCopies,
     ) -> Decided:
         """Decide one write and carry it out; the caller holds the memory's lock and stores the records."""
         if stored is not None and stored.status == "applied":
@@ -211,7 +211,7 @@ class WriteApplier:
             return Decided(AppliedWrite(failed.applied.outcome, None, rejected=reason), failed.record)
 
         policy = event.write_policy or WritePolicy(memory.write_policy)
-        exact = await repo.find_exact_copy(session, event.memory_id, digest)
+        exact = copies.get(event.memory_id, digest)
         nearest: list[Candidate] = []
         if exact is None:
             if embedding is None:
@@ -227,6 +227,7 @@ class WriteApplier:
             arbitrate=arbitration.arbitrate if arbitration else None,
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
+        copies.record(event.memory_id, decision, entry)
         record = WriteOutcome(
             write_id=event.write_id,
             project_id=event.project_id,
@@ -324,6 +325,26 @@ class WriteApplier:
             failed = _failure(event, stored, code, message)
             await self._store(session, [failed])
         return failed.applied
+
+
+class ExactCopies:
+    """The valid entries of a batch's (memory, content hash) pairs, read once under the locks and kept up to
+    date as the batch's own decisions create, rewrite and retire entries."""
+
+    def __init__(self, found: dict[tuple[str, str], Candidate]) -> None:
+        self._found = found
+
+    def get(self, memory_id: str, digest: str) -> Candidate | None:
+        return self._found.get((memory_id, digest))
+
+    def record(self, memory_id: str, decision: Decision, entry: Written) -> None:
+        target = decision.target
+        if target is not None and decision.action in (WriteAction.UPDATED, WriteAction.SUPERSEDED):
+            old_key = (memory_id, content_hash(target.content))
+            if (copy := self._found.get(old_key)) is not None and copy.entry_id == target.entry_id:
+                del self._found[old_key]  # rewritten or retired: no longer a copy of its old text
+        if decision.action is not WriteAction.SKIPPED:
+            self._found.setdefault((memory_id, content_hash(entry.content)), Candidate(entry.id, entry.content, 1.0))
 
 
 @dataclass(frozen=True, slots=True)

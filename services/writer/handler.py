@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from shared import bus, metrics
+from shared.batching import Coalescer
 from shared.events import MemoryEntryChanged, MemoryWriteRequested
 from shared.ids import new_id
 from shared.logs import log_context
@@ -28,6 +29,8 @@ log = logging.getLogger("memories.writer")
 class WriteHandler:
     def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings) -> None:
         self._applier = applier
+        # Partitions whose batches arrive while a transaction runs share the next one.
+        self._decide_together = Coalescer(applier.apply_batch, max_batch=settings.memories_write_batch)
         self._nc = nc
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
@@ -42,8 +45,14 @@ class WriteHandler:
                 events.append((message, event))
         if not events:
             return
+        batch = [event for _, event in events]
         try:
-            results = await self._applier.apply_batch([event for _, event in events])
+            if any(event.agent is not None for event in batch):
+                # A write that may wait on the agent's model keeps to its partition's own transaction:
+                # a slow model then holds up that partition only.
+                results = await self._applier.apply_batch(batch)
+            else:
+                results = await self._decide_together(batch)
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             results = [exc] * len(events)
         for (message, event), result in zip(events, results, strict=True):

@@ -19,7 +19,7 @@ from services.writer.handler import WriteHandler
 from services.writer.partitions import PartitionConsumer
 from services.writer.provenance import ProvenanceHandler
 from shared import bus, metrics
-from shared.batching import BatchingEmbedder
+from shared.batching import Coalescer
 from shared.consumer_process import ConsumerProcess
 from shared.db.session import session_factory
 from shared.embeddings import embed_texts
@@ -63,7 +63,7 @@ class Writer(ConsumerProcess):
 
         applier = WriteApplier(
             session_factory(self.engine),
-            BatchingEmbedder(embed_batch),
+            Coalescer(embed_batch),
             model,
             default_model=self.settings.memories_merge_model,
             llm_timeout=self.settings.memories_llm_timeout_s,
