@@ -64,6 +64,17 @@ def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedWrite:
+    """A write ready for its transaction: its content hash and, unless a stored exact copy makes it
+    needless, its embedding; or the failure that already ended it."""
+
+    event: MemoryWriteRequested
+    digest: str
+    embedding: list[float] | None = None
+    failed: AppliedWrite | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Written:
     """The entry a decision left in place: what the outcome and the audit record name."""
 
@@ -90,84 +101,92 @@ class WriteApplier:
 
     async def apply(self, event: MemoryWriteRequested, embedding: list[float] | None = None) -> AppliedWrite:
         """Decide and apply one write. `embedding` may be precomputed by a batching caller."""
-        digest = content_hash(event.content)
-        try:
-            if embedding is None and not await self._exact_copies([(event.memory_id, digest)]):
-                embedding = await self._embed_one(event.content)
-        except EmbeddingError as exc:
-            return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
+        if embedding is None:
+            (prepared,) = await self.prepare([event])
+        else:
+            prepared = PreparedWrite(event, content_hash(event.content), embedding)
+        if prepared.failed is not None:
+            return prepared.failed
         try:
             async with self._sessions.begin() as session:
-                decided = await self._decide_batch(session, [event], [digest], [embedding])
+                decided = await self._decide_batch(session, [prepared])
                 await self._store(session, decided)
                 return decided[0].applied
-        except EmbeddingError as exc:
+        except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
             return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
 
     async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Exception]:
-        """Apply events in their order: one exact-copy query, one embedding call, one transaction.
+        """`prepare`, then `decide`: one exact-copy query, one embedding call, one transaction."""
+        return await self.decide(await self.prepare(events))
 
-        Each event gets its result, or the exception that stopped it (the caller retries that one). When a
-        write spoils the shared transaction, every event of the batch is applied alone, so only that write
-        fails and the others are not held back by it.
-        """
-        if len(events) == 1:
-            return [await self._apply_isolated(events[0], None)]
+    async def prepare(self, events: Sequence[MemoryWriteRequested]) -> list[PreparedWrite]:
+        """What can be done before any lock: find the exact copies (one query) and embed the other texts
+        (one call). A failed embedding ends its write here, stored as failed."""
         digests = [content_hash(event.content) for event in events]
-        results: list[AppliedWrite | Exception | None] = [None] * len(events)
-        embeddings: list[list[float] | None] = [None] * len(events)
         copies = await self._exact_copies([(e.memory_id, d) for e, d in zip(events, digests, strict=True)])
         unseen = [i for i, e in enumerate(events) if (e.memory_id, digests[i]) not in copies]
-        if unseen:
-            try:
-                vectors = await self._embed([events[i].content for i in unseen])
-            except EmbeddingError as exc:
-                for i in unseen:
-                    results[i] = await self._record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
-            else:
-                for i, vector in zip(unseen, vectors, strict=True):
-                    embeddings[i] = vector
-        todo = [i for i in range(len(events)) if results[i] is None]
+        prepared = [PreparedWrite(event, digest) for event, digest in zip(events, digests, strict=True)]
+        if not unseen:
+            return prepared
+        try:
+            vectors = await self._embed([events[i].content for i in unseen])
+        except EmbeddingError as exc:
+            for i in unseen:
+                failed = await self._record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
+                prepared[i] = PreparedWrite(events[i], digests[i], failed=failed)
+        else:
+            for i, vector in zip(unseen, vectors, strict=True):
+                prepared[i] = PreparedWrite(events[i], digests[i], vector)
+        return prepared
+
+    async def decide(self, prepared: Sequence[PreparedWrite]) -> list[AppliedWrite | Exception]:
+        """Decide prepared writes in their order, in one transaction.
+
+        Each gets its result, or the exception that stopped it (the caller retries that one). When a write
+        spoils the shared transaction, each is applied alone, so only that write fails and the others are
+        not held back by it.
+        """
+        results: list[AppliedWrite | Exception | None] = [one.failed for one in prepared]
+        todo = [i for i, one in enumerate(prepared) if one.failed is None]
+        if not todo:
+            return [result for result in results if result is not None]
         try:
             async with self._sessions.begin() as session:
-                decided = await self._decide_batch(session, [events[i] for i in todo], [digests[i] for i in todo],
-                                                   [embeddings[i] for i in todo])
+                decided = await self._decide_batch(session, [prepared[i] for i in todo])
                 await self._store(session, decided)
             for i, one in zip(todo, decided, strict=True):
                 results[i] = one.applied
         except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
             for i in todo:
-                results[i] = await self._apply_isolated(events[i], embeddings[i])
+                results[i] = await self._apply_isolated(prepared[i])
         return [result for result in results if result is not None]
 
-    async def _apply_isolated(self, event: MemoryWriteRequested, embedding: list[float] | None) -> AppliedWrite | Exception:
+    async def _apply_isolated(self, prepared: PreparedWrite) -> AppliedWrite | Exception:
         try:
-            return await self.apply(event, embedding)
+            return await self.apply(prepared.event, prepared.embedding)
         except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
             return exc
 
-    async def _decide_batch(
-        self,
-        session: AsyncSession,
-        events: Sequence[MemoryWriteRequested],
-        digests: Sequence[str],
-        embeddings: Sequence[list[float] | None],
-    ) -> list[Decided]:
+    async def _decide_batch(self, session: AsyncSession, batch: Sequence[PreparedWrite]) -> list[Decided]:
+        events = [one.event for one in batch]
         await repo.lock_memories(session, [event.memory_id for event in events])
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
         await repo.load_memories(session, [event.memory_id for event in events])
-        copies = ExactCopies(await repo.find_exact_copies(session, list(zip([e.memory_id for e in events], digests))))
+        copies = ExactCopies(await repo.find_exact_copies(session, [(one.event.memory_id, one.digest) for one in batch]))
         decided: list[Decided] = []
         earlier: dict[str, Decided] = {}
-        for event, digest, embedding in zip(events, digests, embeddings, strict=True):
+        for one in batch:
+            event = one.event
             if event.write_id in earlier:  # the same write delivered twice in one batch: one effect
                 outcome = earlier[event.write_id].applied.outcome
                 decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
                 continue
-            one = await self._decide_locked(session, event, digest, embedding, stored.get(event.write_id), copies)
-            earlier[event.write_id] = one
-            decided.append(one)
+            result = await self._decide_locked(
+                session, event, one.digest, one.embedding, stored.get(event.write_id), copies
+            )
+            earlier[event.write_id] = result
+            decided.append(result)
         return decided
 
     async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Candidate]:

@@ -35,7 +35,9 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert settings.database_url and settings.nats_url, "resolve the servers before building the app"
-        engine = create_engine(settings.database_url)
+        # No ping per checkout (a round trip on each of a write's two): after a database restart the first
+        # query on a dropped connection fails (503) and invalidates the whole pool, so the next one reconnects.
+        engine = create_engine(settings.database_url, pre_ping=False)
         nc = await bus.connect(settings.nats_url, name="memories-api")
         await bus.ensure_layout(nc.jetstream(), settings)
         sessions = session_factory(engine)

@@ -29,8 +29,8 @@ log = logging.getLogger("memories.writer")
 class WriteHandler:
     def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings) -> None:
         self._applier = applier
-        # Partitions whose batches arrive while a transaction runs share the next one.
-        self._decide_together = Coalescer(applier.apply_batch, max_batch=settings.memories_write_batch)
+        # Partitions whose batches are prepared while a transaction runs share the next one.
+        self._decide_together = Coalescer(applier.decide, max_batch=settings.memories_write_batch)
         self._nc = nc
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
@@ -52,7 +52,8 @@ class WriteHandler:
                 # a slow model then holds up that partition only.
                 results = await self._applier.apply_batch(batch)
             else:
-                results = await self._decide_together(batch)
+                # Prepared (embedded) by partition, concurrently; decided together, one transaction at a time.
+                results = await self._decide_together(await self._applier.prepare(batch))
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             results = [exc] * len(events)
         for (message, event), result in zip(events, results, strict=True):

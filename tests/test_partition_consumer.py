@@ -1,0 +1,75 @@
+"""The writer's own pull loop for one partition (services.writer.partitions), on the real JetStream: what
+is queued arrives as one batch in publish order, a batch slower than the ack wait is not redelivered
+meanwhile, and stopping finishes the batch in hand."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from services.writer.partitions import PartitionConsumer
+from shared import bus
+from shared.settings import Settings
+
+
+async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings: Settings, writers: list[Any]) -> None:
+    partition = settings.memories_partitions + 7  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await js.add_consumer(
+        bus.WRITES_STREAM,
+        ConsumerConfig(
+            durable_name=bus.writer_durable(partition),
+            filter_subject=bus.partition_filter(partition),
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=1.0,
+            max_ack_pending=8,
+        ),
+    )
+    batches: list[list[str]] = []
+    deliveries: list[int] = []
+    stolen: list[Msg] = []
+    finished = asyncio.Event()
+
+    async def slow_handle(messages: Sequence[Msg]) -> None:
+        batches.append([m.data.decode() for m in messages])
+        deliveries.extend(m.metadata.num_delivered for m in messages)
+        # Longer than the ack wait: only the in-progress signals keep them from a competing replica.
+        await asyncio.sleep(1.6)
+        rival = await js.pull_subscribe_bind(durable=bus.writer_durable(partition), stream=bus.WRITES_STREAM)
+        try:
+            stolen.extend(await rival.fetch(batch=5, timeout=0.5))
+        except TimeoutError:
+            pass
+        await rival.unsubscribe()
+        await asyncio.sleep(0.5)
+        for message in messages:
+            await message.ack()
+        finished.set()
+
+    try:
+        for i in range(5):
+            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_p{i}", str(i).encode(), stream=bus.WRITES_STREAM)
+        consumer = PartitionConsumer(js, partition, slow_handle, batch=8, ack_wait_s=1.0)
+        consumer.start()
+        while not batches:
+            await asyncio.sleep(0.01)
+        await consumer.stop(timeout=10)  # called mid-batch: returns once the batch is finished
+        assert finished.is_set()
+        assert batches == [["0", "1", "2", "3", "4"]]
+        assert deliveries == [1, 1, 1, 1, 1] and stolen == []
+        for _ in range(100):  # acks are asynchronous: the server counts them a moment later
+            info = await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(partition))
+            if info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+    finally:
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
