@@ -154,9 +154,9 @@ async def lock_memories(session: AsyncSession, memory_ids: Iterable[str]) -> Non
     )
 
 
-async def load_memories(session: AsyncSession, memory_ids: Iterable[str]) -> None:
-    """Bring these memories into the session, so that `session.get` answers for them without a query."""
-    await session.scalars(select(Memory).where(Memory.id.in_(set(memory_ids))))
+async def load_memories(session: AsyncSession, memory_ids: Iterable[str]) -> dict[str, Memory]:
+    rows = await session.scalars(select(Memory).where(Memory.id.in_(set(memory_ids))))
+    return {memory.id: memory for memory in rows}
 
 
 async def find_exact_copies(
@@ -193,11 +193,16 @@ async def find_nearest(
     )
 
 
-async def insert_entry(session: AsyncSession, **values: Any) -> MemoryEntry:
-    entry = MemoryEntry(id=new_id(ENTRY_PREFIX), **values)
-    session.add(entry)
-    await session.flush()  # INSERT … RETURNING brings the timestamps back (eager_defaults)
-    return entry
+_INSERT_ENTRY = insert(MemoryEntry.__table__)
+
+
+async def insert_entry(session: AsyncSession, **values: Any) -> str:
+    """The new entry's id. One INSERT of a constant statement (compiled once), without loading the row
+    into the session: the hot path of writes."""
+    entry_id = new_id(ENTRY_PREFIX)
+    values["metadata"] = values.pop("metadata_", None)  # the column behind the attribute
+    await session.execute(_INSERT_ENTRY, {"id": entry_id, **values})
+    return entry_id
 
 
 async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[str, Any]) -> MemoryEntry:
@@ -239,21 +244,22 @@ async def get_write_outcomes(session: AsyncSession, write_ids: Iterable[str]) ->
     return {record.write_id: record for record in records}
 
 
+_OUTCOME_COLUMNS = [c.key for c in WriteOutcome.__table__.columns if c.key not in ("created_at", "updated_at")]
+_INSERT_OUTCOME = insert(WriteOutcome.__table__)
+_UPSERT_OUTCOME = _INSERT_OUTCOME.on_conflict_do_update(
+    index_elements=[WriteOutcome.write_id],
+    set_={key: _INSERT_OUTCOME.excluded[key] for key in _OUTCOME_COLUMNS if key != "write_id"} | {"updated_at": func.now()},
+)
+
+
 async def save_write_outcomes(session: AsyncSession, outcomes: Sequence[WriteOutcome]) -> None:
-    """Insert or overwrite the writes' records in one statement (a pending claim may exist)."""
+    """Insert or overwrite the writes' records (a pending claim may exist), in one round trip."""
     if not outcomes:
         return
-    columns = [c.key for c in WriteOutcome.__table__.columns if c.key not in ("created_at", "updated_at")]
-    rows = [{key: getattr(outcome, key) for key in columns} | {"updated_at": func.now()} for outcome in outcomes]
+    rows = [{key: getattr(outcome, key) for key in _OUTCOME_COLUMNS} for outcome in outcomes]
     for row in rows:
         row["failed_attempts"] = row["failed_attempts"] or 0
-    statement = insert(WriteOutcome).values(rows)
-    await session.execute(
-        statement.on_conflict_do_update(
-            index_elements=[WriteOutcome.write_id],
-            set_={key: statement.excluded[key] for key in [*columns, "updated_at"] if key != "write_id"},
-        )
-    )
+    await session.execute(_UPSERT_OUTCOME, rows)
 
 
 async def claim_write_id(
@@ -299,9 +305,14 @@ async def release_write_claim(session: AsyncSession, write_id: str) -> None:
     )
 
 
-async def add_history(session: AsyncSession, record: EntryHistory) -> None:
-    session.add(record)
-    await session.flush()
+_HISTORY_COLUMNS = [c.key for c in EntryHistory.__table__.columns if c.key not in ("id", "created_at")]
+_INSERT_HISTORY = insert(EntryHistory.__table__)
+
+
+async def add_history(session: AsyncSession, records: Sequence[EntryHistory]) -> None:
+    """Append audit records (built, never added to the session), in one round trip."""
+    if records:
+        await session.execute(_INSERT_HISTORY, [{key: getattr(r, key) for key in _HISTORY_COLUMNS} for r in records])
 
 
 async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistory]:

@@ -172,7 +172,7 @@ class WriteApplier:
         await repo.lock_memories(session, [event.memory_id for event in events])
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
-        await repo.load_memories(session, [event.memory_id for event in events])
+        memories = await repo.load_memories(session, [event.memory_id for event in events])
         copies = ExactCopies(await repo.find_exact_copies(session, [(one.event.memory_id, one.digest) for one in batch]))
         decided: list[Decided] = []
         earlier: dict[str, Decided] = {}
@@ -183,7 +183,7 @@ class WriteApplier:
                 decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
                 continue
             result = await self._decide_locked(
-                session, event, one.digest, one.embedding, stored.get(event.write_id), copies
+                session, event, one.digest, one.embedding, stored.get(event.write_id), memories.get(event.memory_id), copies
             )
             earlier[event.write_id] = result
             decided.append(result)
@@ -214,13 +214,13 @@ class WriteApplier:
         digest: str,
         embedding: list[float] | None,
         stored: WriteOutcome | None,
+        memory: Memory | None,
         copies: ExactCopies,
     ) -> Decided:
         """Decide one write and carry it out; the caller holds the memory's lock and stores the records."""
         if stored is not None and stored.status == "applied":
             return Decided(AppliedWrite(outcome_of(stored), None, replayed=True))
 
-        memory = await session.get(Memory, event.memory_id)
         if memory is None:  # deleted after the API accepted the write
             return _failure(event, stored, "RESOURCE_NOT_FOUND", f"memory {event.memory_id} not found")
         if memory.project_id != event.project_id:
@@ -270,10 +270,9 @@ class WriteApplier:
 
     @staticmethod
     async def _store(session: AsyncSession, decided: Sequence[Decided]) -> None:
-        """The batch's outcomes in one statement and its audit records in one flush."""
+        """The batch's outcomes and its audit records, in one statement each."""
         await repo.save_write_outcomes(session, [one.record for one in decided if one.record is not None])
-        session.add_all([one.history for one in decided if one.history is not None])
-        await session.flush()
+        await repo.add_history(session, [one.history for one in decided if one.history is not None])
 
     async def _carry_out(
         self,
@@ -292,7 +291,7 @@ class WriteApplier:
             merged = await self._merge(session, event, target.entry_id, decision.merged_content)
             return Written(merged.id, merged.content), EntryChangeKind.UPDATED
         assert embedding is not None
-        entry = await repo.insert_entry(
+        entry_id = await repo.insert_entry(
             session,
             memory_id=event.memory_id,
             project_id=event.project_id,
@@ -309,9 +308,9 @@ class WriteApplier:
         if decision.action is WriteAction.SUPERSEDED:
             assert target is not None
             # Retired, not rewritten: the old entry keeps its text and points at its replacement.
-            await repo.invalidate_entry(session, target.entry_id, entry.id, datetime.now(UTC))
-            return Written(entry.id, entry.content), EntryChangeKind.SUPERSEDED
-        return Written(entry.id, entry.content), EntryChangeKind.CREATED
+            await repo.invalidate_entry(session, target.entry_id, entry_id, datetime.now(UTC))
+            return Written(entry_id, event.content), EntryChangeKind.SUPERSEDED
+        return Written(entry_id, event.content), EntryChangeKind.CREATED
 
     async def _merge(
         self, session: AsyncSession, event: MemoryWriteRequested, entry_id: str, merged_content: str

@@ -182,7 +182,7 @@ async def update_entry(
     # The memory's lock keeps an edit from interleaving with a writer decision on the same memory.
     await repo.lock_memory(session, entry.memory_id)
     entry = await repo.update_entry(session, entry, changes)
-    await repo.add_history(session, _edit_record(entry, "edited", before, entry.content))
+    await repo.add_history(session, [_edit_record(entry, "edited", before, entry.content)])
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
@@ -197,7 +197,7 @@ async def update_entry(
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     await repo.lock_memory(session, entry.memory_id)
-    await repo.add_history(session, _edit_record(entry, "deleted", entry.content, None))
+    await repo.add_history(session, [_edit_record(entry, "deleted", entry.content, None)])
     await repo.delete_entry(session, entry)
     await session.commit()
     await _announce(request, entry, EntryChangeKind.DELETED)
