@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import psutil
 import pytest
 from nats.js.api import StorageType
@@ -130,7 +132,16 @@ async def test_nats_cluster_replicates(tmp_path: Path) -> None:
     try:
         nc = await nats.connect(servers=[n.url for n in nodes])
         js = nc.jetstream()
-        await js.add_stream(name="R3", subjects=["r3.>"], storage=StorageType.FILE, num_replicas=3)
+        # Serving JetStream is not yet placing replicas: until every peer has reported in, the meta leader
+        # answers "no suitable peers for placement", as services see it at start (bus.ensure_layout retries).
+        for attempt in range(40):
+            try:
+                await js.add_stream(name="R3", subjects=["r3.>"], storage=StorageType.FILE, num_replicas=3)
+                break
+            except nats.js.errors.BadRequestError:
+                if attempt == 39:
+                    raise
+                await asyncio.sleep(0.25)
         await js.publish("r3.x", b"x")
         info = await js.stream_info("R3")
         assert info.config.num_replicas == 3 and info.state.messages == 1
