@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
 from shared import repository as repo
+from shared.db.models import WriteOutcome
 from shared.events import MemoryWriteOutcome, MemoryWriteRequested
 from shared.writes import outcome_of
 
@@ -73,12 +74,10 @@ class WriteGateway:
         """
         if fresh_id:
             outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout)
-            if outcome is None:
-                await self._record_pending(event)
+            if outcome is None:  # so that the 202's write id can be looked up while it waits in the queue
+                await self._claim(event)
             return outcome
-        async with self._sessions() as session:
-            record, owned = await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
-            await session.commit()
+        record, owned = await self._claim(event)
         if record.status == "applied":
             return outcome_of(record)
         if not owned:
@@ -89,11 +88,13 @@ class WriteGateway:
             await self._release_claim(event.write_id)
             raise
 
-    async def _record_pending(self, event: MemoryWriteRequested) -> None:
-        """So that the 202's write id can be looked up while it waits in the queue (unless decided already)."""
+    async def _claim(self, event: MemoryWriteRequested) -> tuple[WriteOutcome, bool]:
+        """Record the write as pending unless its id is known: the stored record, and whether this call owns
+        the attempt (see `repository.claim_write_id`)."""
         async with self._sessions() as session:
-            await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            claimed = await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
             await session.commit()
+        return claimed
 
     async def _release_claim(self, write_id: str) -> None:
         try:
