@@ -146,20 +146,19 @@ class WriteApplier:
         spoils the shared transaction, each is applied alone, so only that write fails and the others are
         not held back by it.
         """
-        results: list[AppliedWrite | Exception | None] = [one.failed for one in prepared]
-        todo = [i for i, one in enumerate(prepared) if one.failed is None]
-        if not todo:
-            return [result for result in results if result is not None]
-        try:
-            async with self._sessions.begin() as session:
-                decided = await self._decide_batch(session, [prepared[i] for i in todo])
-                await self._store(session, decided)
-            for i, one in zip(todo, decided, strict=True):
-                results[i] = one.applied
-        except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
-            for i in todo:
-                results[i] = await self._apply_isolated(prepared[i])
-        return [result for result in results if result is not None]
+        ready = [one for one in prepared if one.failed is None]
+        decided: list[AppliedWrite | Exception] = []
+        if ready:
+            try:
+                async with self._sessions.begin() as session:
+                    together = await self._decide_batch(session, ready)
+                    await self._store(session, together)
+                decided = [one.applied for one in together]
+            except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
+                decided = [await self._apply_isolated(one) for one in ready]
+        results = iter(decided)
+        # One result per prepared write, in its place: the failure it came with, or its decision.
+        return [one.failed if one.failed is not None else next(results) for one in prepared]
 
     async def _apply_isolated(self, prepared: PreparedWrite) -> AppliedWrite | Exception:
         try:
