@@ -22,10 +22,23 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
         yield session
 
 
+async def get_read_session(request: Request) -> AsyncIterator[AsyncSession]:
+    async with request.app.state.read_sessions() as session:
+        yield session
+
+
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
+"""For routes that change rows: statements share one transaction, committed by the route."""
+
+ReadSessionDep = Annotated[AsyncSession, Depends(get_read_session)]
+"""For routes that only read: each statement commits on its own (autocommit), one round trip per query
+instead of BEGIN, query and ROLLBACK. A route that needs one consistent snapshot of several reads, or that
+writes, takes SessionDep."""
 
 
-def get_settings(request: Request) -> Settings:
+# Dependencies are `async def` even when they await nothing: FastAPI runs a plain `def` dependency in its
+# thread pool, a thread hop on every request.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -54,7 +67,7 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-async def get_principal(request: Request, session: SessionDep) -> Principal:
+async def get_principal(request: Request, session: ReadSessionDep) -> Principal:
     token = _bearer(request)
     admin_token = request.app.state.admin_token
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):

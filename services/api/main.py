@@ -46,6 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.settings = settings
         app.state.admin_token = settings.memories_admin_token
         app.state.sessions = sessions
+        app.state.read_sessions = session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
         app.state.nats = nc
         app.state.gateway = gateway
         try:

@@ -14,7 +14,7 @@ class Paging:
     offset: int
 
 
-def paging(
+async def paging(  # async: a plain def dependency runs in the thread pool
     limit: Annotated[int, Query(description="page size, clamped to 1..100")] = 50,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> Paging:

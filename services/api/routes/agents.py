@@ -9,7 +9,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import Principal, PrincipalDep, SessionDep, require, resolve_project, scope
+from services.api.deps import (
+    Principal,
+    PrincipalDep,
+    ReadSessionDep,
+    SessionDep,
+    require,
+    resolve_project,
+    scope,
+)
 from services.api.errors import ApiError
 from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import load_memory
@@ -49,7 +57,7 @@ async def write_memory_definition() -> dict[str, Any]:
     dependencies=[require("memories:CreateMemoryEntry")],
     response_model_exclude_none=True,
 )
-async def write_memory(body: WriteMemoryCall, request: Request, session: SessionDep, principal: PrincipalDep) -> ToolResult:
+async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSessionDep, principal: PrincipalDep) -> ToolResult:
     project_id = await resolve_project(session, principal, body.project_id)
     target = body.agent.knowledge_config.write_memory_id
     if body.memory_id is not None and body.memory_id != target:
@@ -85,7 +93,7 @@ class OrchestrationWrite(Strict):
 async def orchestration_write(
     body: OrchestrationWrite,
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
@@ -133,7 +141,7 @@ class History(BaseModel):
     summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
     dependencies=[require("memories:GetMemoryEntry")],
 )
-async def entry_history(entry_id: str, session: SessionDep, principal: PrincipalDep) -> History:
+async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> History:
     entry = await load_entry(session, scope(principal), entry_id)
     records = await repo.list_history(session, entry.id)
     return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, SettingsDep, require, scope
+from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
 from services.api.errors import ApiError, envelope, not_found
 from services.api.pagination import PagingDep
 from services.api.routes.memories import load_memory
@@ -56,7 +56,7 @@ async def load_entry(session: AsyncSession, principal_scope: str | None, entry_i
 async def create_entry(
     body: EntryCreate,
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(description="retries with the same key get the first outcome")] = None,
@@ -136,7 +136,7 @@ async def list_entries(
     summary="Get an entry, also when invalidated (audit)",
     dependencies=[require("memories:GetMemoryEntry")],
 )
-async def get_entry(entry_id: str, session: SessionDep, principal: PrincipalDep) -> EntryOut:
+async def get_entry(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> EntryOut:
     return EntryOut.of(await load_entry(session, scope(principal), entry_id))
 
 

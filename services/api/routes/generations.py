@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from nats.errors import Error as NatsError
 from pydantic import BaseModel, Field
 
-from services.api.deps import PrincipalDep, SessionDep, require, resolve_project
+from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Strict, Timestamp
 from shared import bus, registry
@@ -73,7 +73,7 @@ async def generation_completed(
     dependencies=[require("memories:ListMemoryEntries")],
 )
 async def extraction_status(
-    generation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+    generation_id: str, session: ReadSessionDep, principal: PrincipalDep, project_id: str | None = None
 ) -> ExtractionStatus:
     project = await resolve_project(session, principal, project_id)
     record = await registry.get_extraction(session, project, generation_id)

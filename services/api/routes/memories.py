@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response, status
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, require, resolve_project, scope
+from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project, scope
 from services.api.errors import ApiError, not_found
 from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
@@ -70,7 +70,7 @@ async def list_memories(
 
 
 @router.get("/{memory_id}", summary="Get a memory", dependencies=[require("memories:GetMemory")])
-async def get_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> MemoryOut:
+async def get_memory(memory_id: str, session: ReadSessionDep, principal: PrincipalDep) -> MemoryOut:
     return MemoryOut.of(await load_memory(session, scope(principal), memory_id))
 
 

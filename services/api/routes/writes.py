@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from services.api.deps import PrincipalDep, SessionDep, require, scope
+from services.api.deps import PrincipalDep, ReadSessionDep, require, scope
 from services.api.errors import not_found
 from services.api.schemas import WriteStatus
 from shared import repository as repo
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/memory-writes", tags=["memory entries"])
     summary="The stored outcome of a write: pending, applied or failed",
     dependencies=[require("memories:CreateMemoryEntry", "memories:GetMemoryEntry")],
 )
-async def get_write(write_id: str, session: SessionDep, principal: PrincipalDep) -> WriteStatus:
+async def get_write(write_id: str, session: ReadSessionDep, principal: PrincipalDep) -> WriteStatus:
     outcome = None
     if is_valid_write_id(write_id):
         outcome = await repo.get_write_outcome_for_project(session, scope(principal), write_id)
