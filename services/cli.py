@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from shared.settings import Settings, get_settings
 
@@ -142,6 +143,14 @@ def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:
     return 0
 
 
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    """A service's event loop: uvloop, as uvicorn picks for the API (less CPU per socket event)."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -162,14 +171,14 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_writer(args: argparse.Namespace) -> int:
     from services.writer.main import run
 
-    asyncio.run(run(get_settings(), _parse_partitions(args.partitions)))
+    run_service(run(get_settings(), _parse_partitions(args.partitions)))
     return 0
 
 
 def cmd_extractor(_args: argparse.Namespace) -> int:
     from services.extractor.main import run
 
-    asyncio.run(run(get_settings()))
+    run_service(run(get_settings()))
     return 0
 
 
