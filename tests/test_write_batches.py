@@ -94,6 +94,20 @@ async def test_a_batch_is_decided_in_order_with_one_embedding_call(
     assert sorted(audited) == sorted({e.write_id for e in batch})  # one audit record per write, not per delivery
 
 
+async def test_a_stored_text_is_an_exact_copy_in_its_own_memory_only(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
+    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    embedder = CountingEmbedder()
+    applier = WriteApplier(sessions, embedder, "counting")
+    assert actions(await applier.apply_batch([write(first, "Cy plays chess")])) == ["created"]
+    batch = [write(second, "Cy plays chess"), write(first, "Cy plays chess"), write(first, "Cy plays go")]
+    assert actions(await applier.apply_batch(batch)) == ["created", "skipped", "created"]
+    assert embedder.calls[-1] == ["Cy plays chess", "Cy plays go"]  # only the copy in `first` needs none
+    assert await valid_contents(sessions, second["id"]) == ["Cy plays chess"]
+
+
 async def test_a_write_that_spoils_the_batch_fails_alone(
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
