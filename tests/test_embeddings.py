@@ -158,6 +158,16 @@ def test_litellm_sync_embedding_reaches_the_local_model() -> None:
     assert response.usage is not None and response.usage.prompt_tokens > 0
 
 
+def test_the_local_model_is_priced_at_nothing_in_litellms_cost_map() -> None:
+    """Unpriced, every call's cost lookup would go through litellm's fallback name matching."""
+    from shared.embeddings._provider import litellm
+
+    register_local_provider()
+    info = litellm.get_model_info(LOCAL_MODEL)
+    assert info["mode"] == "embedding"
+    assert info["input_cost_per_token"] == 0.0 and info["output_cost_per_token"] == 0.0
+
+
 def test_register_is_idempotent_and_keeps_other_providers(fake_provider: Any) -> None:
     from shared.embeddings._provider import litellm
 

@@ -99,6 +99,15 @@ def _fill(response: EmbeddingResponse, model: str, vectors: np.ndarray, tokens: 
     return response
 
 
+_FREE_EMBEDDING = {
+    "litellm_provider": PROVIDER,
+    "mode": "embedding",
+    "input_cost_per_token": 0.0,
+    "output_cost_per_token": 0.0,
+    "cache_creation_input_token_cost": 0.0,
+    "cache_read_input_token_cost": 0.0,
+}
+
 _handler: LocalEmbeddingHandler | None = None
 _register_lock = threading.Lock()
 
@@ -111,6 +120,9 @@ def register() -> None:
             _handler = LocalEmbeddingHandler()
             # Otherwise every provider failure prints a "Give Feedback / Get Help" banner to stdout.
             litellm.suppress_debug_info = True
+            # Priced (at nothing) in litellm's cost map: an unknown model sends each call's cost lookup
+            # through litellm's fallback name matching, ~0.5 ms of CPU per embedding call.
+            litellm.register_model({f"{PROVIDER}/{name}": _FREE_EMBEDDING for name in MODELS})
         current = list(litellm.custom_provider_map or [])
         if any(entry.get("custom_handler") is _handler for entry in current):
             return
