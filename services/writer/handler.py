@@ -7,6 +7,7 @@ is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -56,13 +57,19 @@ class WriteHandler:
                 results = await self._decide_together(await self._applier.prepare(batch))
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             results = [exc] * len(events)
+        announcements = []
         for (message, event), result in zip(events, results, strict=True):
-            # Every line logged while this write is handled, here or in shared code, names it.
+            # Every line logged while this write is handled, here or in shared code, names it (a task
+            # created in this context keeps it).
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
                 if isinstance(result, Exception):
                     await self._retry_or_give_up(message, result)
                 else:
                     await self._settle(message, event, result)
+                    announcements.append(asyncio.create_task(self._announce(event, result)))
+        # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
+        # start in decision order and each sends before it first waits, so the feed keeps that order.
+        await asyncio.gather(*announcements)
 
     async def _decode(self, message: Msg) -> MemoryWriteRequested | None:
         """The message's event; None when it was dead-lettered (retrying cannot fix a malformed one)."""
@@ -103,12 +110,11 @@ class WriteHandler:
                 "write decided",
                 extra={"action": outcome.action, "entry_id": outcome.entry_id, "replayed": applied.replayed},
             )
-        await self._announce(event, applied)
+        if event.reply_subject:  # the waiting API's answer, sent after the commit and the ack
+            await self._nc.publish(event.reply_subject, outcome.model_dump_json().encode())
 
     async def _announce(self, event: MemoryWriteRequested, applied: AppliedWrite) -> None:
-        """After commit: answer the waiting API, then feed the change stream. Losing either loses no data."""
-        if event.reply_subject:
-            await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())
+        """After commit: feed the change stream. Losing it loses no data."""
         if applied.change is not None and applied.outcome.entry_id:
             change = MemoryEntryChanged(
                 event_id=new_id("evt_"),
