@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
@@ -235,7 +236,7 @@ class WriteApplier:
         if exact is None:
             if embedding is None:
                 embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone
-            vector = repo.vector_text(embedding)
+            vector = repo.as_vector(embedding)
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
             nearest = await repo.find_nearest(session, event.memory_id, vector, limit=limit)
         merge, arbitration = self._steps(event, policy)
@@ -281,7 +282,7 @@ class WriteApplier:
         event: MemoryWriteRequested,
         decision: Decision,
         digest: str,
-        vector: str | None,
+        vector: np.ndarray | None,
     ) -> tuple[Written, EntryChangeKind | None]:
         target = decision.target
         if decision.action is WriteAction.SKIPPED:

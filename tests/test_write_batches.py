@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.events import MemoryWriteRequested, WriteAction
 from shared.ids import new_write_id
@@ -106,6 +108,25 @@ async def test_a_stored_text_is_an_exact_copy_in_its_own_memory_only(
     assert actions(await applier.apply_batch(batch)) == ["created", "skipped", "created"]
     assert embedder.calls[-1] == ["Cy plays chess", "Cy plays go"]  # only the copy in `first` needs none
     assert await valid_contents(sessions, second["id"]) == ["Cy plays chess"]
+
+
+async def test_a_vector_is_stored_and_compared_as_given(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The write path binds vectors in pgvector's binary form (repository.as_vector), not as text."""
+    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "vectors"})).json()
+    [vector, other] = await CountingEmbedder()(["a stored fact", "an unrelated one"])
+    async with sessions.begin() as session:
+        entry_id = await repo.insert_entry(
+            session, vector=repo.as_vector(vector), memory_id=memory["id"], project_id=project["id"],
+            content="a stored fact", content_hash="h", embedding_model="counting", source_type="api",
+        )
+        stored = await session.scalar(select(MemoryEntry.embedding).where(MemoryEntry.id == entry_id))
+        [same] = await repo.find_nearest(session, memory["id"], repo.as_vector(vector))
+        [unrelated] = await repo.find_nearest(session, memory["id"], repo.as_vector(other))
+    assert list(stored) == pytest.approx(vector, abs=1e-7)  # float32, as pgvector keeps it
+    assert same.entry_id == entry_id and same.score == pytest.approx(1.0, abs=1e-6)
+    assert unrelated.score == pytest.approx(sum(a * b for a, b in zip(vector, other, strict=True)), abs=1e-5)
 
 
 async def test_a_write_that_spoils_the_batch_fails_alone(

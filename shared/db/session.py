@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+from pgvector.psycopg.vector import register_vector_info
+from psycopg.types import TypeInfo
 from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
@@ -28,6 +31,7 @@ def create_engine(
 
 
 def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.run_async(_register_vector_type)
     # Filtered nearest-neighbour queries keep scanning the HNSW index until enough rows pass the filter, in
     # exact distance order (strict): the dedup lookup takes the first row as the nearest
     # (pgvector 0.8). Set once per connection rather than per query: one round trip less on the hot path.
@@ -35,6 +39,13 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("SET hnsw.iterative_scan = strict_order")
     cursor.close()
     dbapi_connection.commit()
+
+
+async def _register_vector_type(connection: psycopg.AsyncConnection[Any]) -> None:
+    """Let psycopg send a numpy array as a pgvector `vector` in binary form (`repository.as_vector`)."""
+    info = await TypeInfo.fetch(connection, "vector")
+    if info is not None:  # None before the first migration has created the extension
+        register_vector_info(connection, info)
 
 
 class _Session(AsyncSession):
