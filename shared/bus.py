@@ -45,6 +45,8 @@ WRITER_CONVERSATION_DELETIONS = "writer-conversation-deletions"
 WRITE_SUBJECT_ROOT = "memories.write"
 EVENT_SUBJECT_ROOT = "memories.events"
 DEAD_LETTER_ROOT = "dlq"
+WRITE_BATCHES_IN_HAND = 2
+"""A writer holds a partition's batch being decided and the next one being prepared (embedded)."""
 
 
 def partition_of(memory_id: str, partitions: int) -> int:
@@ -135,10 +137,10 @@ def layout(settings: Settings) -> Layout:
             filter_subject=partition_filter(p),
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            # One batch of a partition in flight: the writer that fetched it decides it in order. A second
-            # replica can fetch only what the first left (a partial batch); the memory lock keeps the
-            # decisions on each memory serial either way.
-            max_ack_pending=settings.memories_write_batch,
+            # A partition's writer holds one batch being decided and the next being prepared, in order. A
+            # second replica can fetch only what the first left; the memory lock keeps the decisions on
+            # each memory serial either way.
+            max_ack_pending=WRITE_BATCHES_IN_HAND * settings.memories_write_batch,
             ack_wait=settings.memories_ack_wait_s,
             # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
             # The handlers count deliveries of real failures and dead-letter after MEMORIES_MAX_DELIVER.

@@ -24,7 +24,7 @@ def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
     plan = bus.layout(Settings(memories_partitions=4, memories_write_batch=24))
     writers = plan.consumers[bus.WRITES_STREAM]
     assert [c.filter_subject for c in writers] == [f"memories.write.{p}.*" for p in range(4)]
-    assert all(c.max_ack_pending == 24 and c.max_deliver == -1 for c in writers)
+    assert all(c.max_ack_pending == 2 * 24 and c.max_deliver == -1 for c in writers)  # one deciding, one preparing
 
 
 @pytest.mark.parametrize(

@@ -376,7 +376,7 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         consumers = {c.name: c.config for c in await js.consumers_info(bus.WRITES_STREAM)}
         assert set(consumers) == {bus.writer_durable(p) for p in range(partitions)}
         assert all(
-            c.max_ack_pending == Settings().memories_write_batch and c.max_deliver == -1  # outages never exhaust deliveries
+            c.max_ack_pending == 2 * Settings().memories_write_batch and c.max_deliver == -1  # outages never exhaust deliveries
             for c in consumers.values()
         )
 

@@ -1,6 +1,7 @@
 """The writer's own pull loop for one partition (services.writer.partitions), on the real JetStream: what
 is queued arrives as one batch in publish order, a batch slower than the ack wait is not redelivered
-meanwhile, and stopping finishes the batch in hand."""
+meanwhile, stopping finishes the batch in hand, and the next batch is prepared while one is finished,
+the batches still finished in order."""
 
 from __future__ import annotations
 
@@ -17,10 +18,7 @@ from shared import bus
 from shared.settings import Settings
 
 
-async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings: Settings, writers: list[Any]) -> None:
-    partition = settings.memories_partitions + 7  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
+async def _own_durable(js: Any, partition: int, max_ack_pending: int, ack_wait: float = 30.0) -> None:
     await js.add_consumer(
         bus.WRITES_STREAM,
         ConsumerConfig(
@@ -28,16 +26,26 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
             filter_subject=bus.partition_filter(partition),
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=1.0,
-            max_ack_pending=8,
+            ack_wait=ack_wait,
+            max_ack_pending=max_ack_pending,
         ),
     )
+
+
+async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings: Settings, writers: list[Any]) -> None:
+    partition = settings.memories_partitions + 7  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)
     batches: list[list[str]] = []
     deliveries: list[int] = []
     stolen: list[Msg] = []
     finished = asyncio.Event()
 
-    async def slow_handle(messages: Sequence[Msg]) -> None:
+    async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
+        return messages
+
+    async def slow_finish(messages: Sequence[Msg]) -> None:
         batches.append([m.data.decode() for m in messages])
         deliveries.extend(m.metadata.num_delivered for m in messages)
         # Longer than the ack wait: only the in-progress signals keep them from a competing replica.
@@ -56,7 +64,7 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
     try:
         for i in range(5):
             await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_p{i}", str(i).encode(), stream=bus.WRITES_STREAM)
-        consumer = PartitionConsumer(js, partition, slow_handle, batch=8, ack_wait_s=1.0)
+        consumer = PartitionConsumer(js, partition, prepare, slow_finish, batch=8, ack_wait_s=1.0)
         consumer.start()
         while not batches:
             await asyncio.sleep(0.01)
@@ -70,6 +78,47 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
                 break
             await asyncio.sleep(0.02)
         assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+    finally:
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
+
+
+async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_after_it(
+    settings: Settings, writers: list[Any]
+) -> None:
+    partition = settings.memories_partitions + 8  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=bus.WRITE_BATCHES_IN_HAND * 3)
+    steps: list[tuple[str, list[str]]] = []
+
+    async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
+        steps.append(("prepared", [m.data.decode() for m in messages]))
+        return messages
+
+    async def finish(messages: Sequence[Msg]) -> None:
+        if not any(step == "finished" for step, _ in steps):
+            await asyncio.sleep(0.5)  # the first batch decides slowly
+        for message in messages:
+            await message.ack()
+        steps.append(("finished", [m.data.decode() for m in messages]))
+
+    try:
+        for i in range(6):
+            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q{i}", str(i).encode(), stream=bus.WRITES_STREAM)
+        consumer = PartitionConsumer(js, partition, prepare, finish, batch=3, ack_wait_s=30.0)
+        consumer.start()
+        for _ in range(300):
+            if len(steps) == 4:
+                break
+            await asyncio.sleep(0.01)
+        await consumer.stop(timeout=10)
+        assert steps == [
+            ("prepared", ["0", "1", "2"]),
+            ("prepared", ["3", "4", "5"]),  # while the first batch is still being finished
+            ("finished", ["0", "1", "2"]),
+            ("finished", ["3", "4", "5"]),
+        ]
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()

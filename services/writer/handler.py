@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -22,9 +23,18 @@ from shared.events import MemoryEntryChanged, MemoryWriteRequested
 from shared.ids import new_id
 from shared.logs import log_context
 from shared.settings import Settings
-from shared.writes import AppliedWrite, WriteApplier
+from shared.writes import AppliedWrite, PreparedWrite, WriteApplier
 
 log = logging.getLogger("memories.writer")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """A partition's decodable messages with their prepared writes, in order; or why preparing failed."""
+
+    events: list[tuple[Msg, MemoryWriteRequested]]
+    prepared: list[PreparedWrite]
+    failure: Exception | None = None
 
 
 class WriteHandler:
@@ -37,28 +47,40 @@ class WriteHandler:
         self._max_deliver = settings.memories_max_deliver
         self._backoff = settings.memories_retry_backoff_s
 
-    async def handle_batch(self, messages: Sequence[Msg]) -> None:
-        """A partition's fetched messages, decided in their order and acknowledged one by one."""
+    async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
+        """A partition's fetched messages made ready for their decisions, outside any lock: decoded (a
+        malformed one is dead-lettered here), exact copies found and the other texts embedded."""
         events: list[tuple[Msg, MemoryWriteRequested]] = []
         for message in messages:
             event = await self._decode(message)
             if event is not None:
                 events.append((message, event))
         if not events:
-            return
-        batch = [event for _, event in events]
+            return PreparedBatch([], [])
         try:
-            if any(event.agent is not None for event in batch):
+            return PreparedBatch(events, await self._applier.prepare([event for _, event in events]))
+        except Exception as exc:  # noqa: BLE001 - an outage, mostly: every write of the batch is retried
+            return PreparedBatch(events, [], failure=exc)
+
+    async def finish(self, batch: PreparedBatch) -> None:
+        """Decide a prepared batch in its order, then acknowledge, answer and announce each write."""
+        if not batch.events:
+            return
+        results: Sequence[AppliedWrite | Exception]
+        try:
+            if batch.failure is not None:
+                raise batch.failure
+            if any(event.agent is not None for _, event in batch.events):
                 # A write that may wait on the agent's model keeps to its partition's own transaction:
                 # a slow model then holds up that partition only.
-                results = await self._applier.apply_batch(batch)
+                results = await self._applier.decide(batch.prepared)
             else:
-                # Prepared (embedded) by partition, concurrently; decided together, one transaction at a time.
-                results = await self._decide_together(await self._applier.prepare(batch))
+                # Partitions' prepared batches are decided together, one transaction at a time.
+                results = await self._decide_together(batch.prepared)
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
-            results = [exc] * len(events)
+            results = [exc] * len(batch.events)
         announcements = []
-        for (message, event), result in zip(events, results, strict=True):
+        for (message, event), result in zip(batch.events, results, strict=True):
             # Every line logged while this write is handled, here or in shared code, names it (a task
             # created in this context keeps it).
             with log_context(write_id=event.write_id, memory_id=event.memory_id):

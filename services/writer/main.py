@@ -1,9 +1,9 @@
 """The writer: consumes MEMORY_WRITES, one durable pull consumer per partition, and decides each write.
 
 Any number of replicas may run: each binds to every partition's durable consumer (or to the partitions it
-is given) and decides a partition's queued writes as one batch, in order (services.writer.partitions).
-`max_ack_pending` on those consumers is one batch; the database lock keeps the decisions on a memory
-serial across replicas, and the write-outcome table makes redeliveries harmless.
+is given) and decides a partition's queued writes as one batch, in order, while it prepares the next
+(services.writer.partitions). `max_ack_pending` on those consumers is two batches; the database lock keeps
+the decisions on a memory serial across replicas, and the write-outcome table makes redeliveries harmless.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class Writer(ConsumerProcess):
             PartitionConsumer(
                 self.nc.jetstream(),
                 partition,
-                self._handler.handle_batch,
+                self._handler.prepare,
+                self._handler.finish,
                 batch=self.settings.memories_write_batch,
                 ack_wait_s=self.settings.memories_ack_wait_s,
             )

@@ -1,10 +1,12 @@
-"""Consuming one partition of MEMORY_WRITES in order, a batch at a time.
+"""Consuming one partition of MEMORY_WRITES in order, a batch at a time, two stages deep.
 
 FastStream's pull subscribers either run a fetched batch concurrently or wait to fill it, so the writer
 fetches its partitions itself: `fetch` returns what is queued (up to the batch size) at once, or waits for
-the first message. The batch is handed over whole and finished before the next fetch; while it runs, its
-messages are kept in progress so that a slow model call does not let the ack wait hand them to another
-replica.
+the first message. A batch goes through two stages: `prepare` (no lock held: the embeddings, the expensive
+part) and `finish` (the decisions, in order, then the acks). While one batch is finished the next one is
+fetched and prepared, so the serial part of a partition is its lookups, decisions and inserts; a batch is
+finished only after the one before it. While a batch is in hand its messages are kept in progress, so a
+slow model call does not let the ack wait hand them to another replica.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -22,40 +25,48 @@ from shared import bus
 
 log = logging.getLogger("memories.writer")
 
-HandleBatch = Callable[[Sequence[Msg]], Awaitable[None]]
+Prepared = TypeVar("Prepared")
 
 FETCH_WAIT_S = 5.0
 """How long one fetch waits on an idle partition before it asks again."""
 
-
-class PartitionConsumer:
+class PartitionConsumer(Generic[Prepared]):
     def __init__(
-        self, js: JetStreamContext, partition: int, handle: HandleBatch, *, batch: int, ack_wait_s: float
+        self,
+        js: JetStreamContext,
+        partition: int,
+        prepare: Callable[[Sequence[Msg]], Awaitable[Prepared]],
+        finish: Callable[[Prepared], Awaitable[None]],
+        *,
+        batch: int,
+        ack_wait_s: float,
     ) -> None:
         self._js = js
         self.partition = partition
-        self._handle = handle
+        self._prepare = prepare
+        self._finish = finish
         self._batch = batch
         self._ack_wait_s = ack_wait_s
         self._loop: asyncio.Task[None] | None = None
-        self._handling: asyncio.Task[None] | None = None
+        self._in_hand: set[asyncio.Task[None]] = set()
         self._stopping = False
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._consume(), name=f"writer-partition-{self.partition}")
 
     async def stop(self, timeout: float) -> None:
-        """Finish the batch in hand (within `timeout`), then stop fetching; unfinished messages are redelivered."""
+        """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered."""
         self._stopping = True
-        if self._handling is not None:
-            await asyncio.wait({self._handling}, timeout=timeout)
         if self._loop is not None:
-            self._loop.cancel()
+            self._loop.cancel()  # the batches in hand are tasks of their own and go on
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
+        if self._in_hand:
+            await asyncio.wait(self._in_hand, timeout=timeout)
 
     async def _consume(self) -> None:
         subscription = None
+        previous: asyncio.Task[None] | None = None
         while not self._stopping:
             try:
                 if subscription is None:
@@ -69,15 +80,30 @@ class PartitionConsumer:
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
                 await asyncio.sleep(1.0)
                 continue
-            self._handling = asyncio.create_task(self._handle_in_progress(messages))
-            # Shielded: stopping waits for the batch instead of abandoning it half-decided.
-            await asyncio.shield(self._handling)
-            self._handling = None
+            prepared = asyncio.Event()
+            # A task of its own: stopping waits for the batches in hand instead of abandoning one half-decided.
+            current = asyncio.create_task(self._handle(messages, previous, prepared))
+            self._in_hand.add(current)
+            current.add_done_callback(self._in_hand.discard)
+            # The next fetch waits for this batch to be prepared and the one before it to be finished: at most
+            # bus.WRITE_BATCHES_IN_HAND batches unacknowledged, as the durable allows.
+            await prepared.wait()
+            if previous is not None:
+                await asyncio.wait({previous})
+            previous = current
 
-    async def _handle_in_progress(self, messages: Sequence[Msg]) -> None:
+    async def _handle(self, messages: Sequence[Msg], previous: asyncio.Task[None] | None, prepared: asyncio.Event) -> None:
         heartbeat = asyncio.create_task(self._keep_in_progress(messages))
         try:
-            await self._handle(messages)
+            try:
+                batch = await self._prepare(messages)
+            finally:
+                prepared.set()
+            if previous is not None:
+                await asyncio.wait({previous})  # decisions in partition order
+            await self._finish(batch)
+        except Exception:  # the stages handle their own failures; this is a bug, and the batch is redelivered
+            log.exception("batch of partition %s failed", self.partition)
         finally:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
