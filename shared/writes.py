@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
 from shared import repository as repo
+from shared.batching import Coalescer
 from shared.db.models import EntryHistory, Memory, MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
 from shared.embeddings import EmbeddingError
@@ -95,6 +96,8 @@ class WriteApplier:
     ) -> None:
         self._sessions = sessions
         self._embed = embed
+        # Partitions preparing at the same moment look their copies up in one query.
+        self._stored_copies = Coalescer(self._exact_copies, max_batch=512)
         self._embedding_model = embedding_model
         # Arbitration of writes that carry no agent (REST, orchestration) uses the service's own model.
         self._default_agent = AgentContext(model=default_model) if default_model else None
@@ -124,8 +127,8 @@ class WriteApplier:
         """What can be done before any lock: find the exact copies (one query) and embed the other texts
         (one call). A failed embedding ends its write here, stored as failed."""
         digests = [content_hash(event.content) for event in events]
-        copies = await self._exact_copies([(e.memory_id, d) for e, d in zip(events, digests, strict=True)])
-        unseen = [i for i, e in enumerate(events) if (e.memory_id, digests[i]) not in copies]
+        copies = await self._stored_copies([(e.memory_id, d) for e, d in zip(events, digests, strict=True)])
+        unseen = [i for i, copy in enumerate(copies) if copy is None]
         prepared = [PreparedWrite(event, digest) for event, digest in zip(events, digests, strict=True)]
         if not unseen:
             return prepared
@@ -189,12 +192,13 @@ class WriteApplier:
             decided.append(result)
         return decided
 
-    async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Candidate]:
-        """The (memory id, content hash) pairs that have a valid entry: those need no embedding."""
+    async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> list[Candidate | None]:
+        """The valid entry of each (memory id, content hash) pair, if it has one: those need no embedding."""
         async with self._sessions() as session:
             # A lone read needs no transaction: autocommit spares the BEGIN and ROLLBACK round trips.
             await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
-            return await repo.find_exact_copies(session, keys)
+            found = await repo.find_exact_copies(session, keys)
+        return [found.get(key) for key in keys]
 
     async def _embed_one(self, content: str) -> list[float]:
         return (await self._embed([content]))[0]

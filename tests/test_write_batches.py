@@ -4,6 +4,7 @@ effect per write id, and a write that spoils the batch failing alone."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import zlib
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
@@ -108,6 +109,37 @@ async def test_a_stored_text_is_an_exact_copy_in_its_own_memory_only(
     assert actions(await applier.apply_batch(batch)) == ["created", "skipped", "created"]
     assert embedder.calls[-1] == ["Cy plays chess", "Cy plays go"]  # only the copy in `first` needs none
     assert await valid_contents(sessions, second["id"]) == ["Cy plays chess"]
+
+
+async def test_partitions_preparing_together_look_their_copies_up_in_one_query(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
+    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    embedder = CountingEmbedder()
+    applier = WriteApplier(sessions, embedder, "counting")
+    assert actions(await applier.apply_batch([write(first, "Dee likes jazz"), write(second, "Eve likes rock")])) == [
+        "created", "created"
+    ]
+    lookups: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "DISTINCT ON" in statement:
+            lookups.append(statement)
+
+    engine = sessions.kw["bind"].sync_engine
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        prepared = await asyncio.gather(
+            applier.prepare([write(first, "Dee likes jazz"), write(first, "Dee likes folk")]),
+            applier.prepare([write(second, "Eve likes rock")]),
+            applier.prepare([write(second, "Eve likes pop")]),
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert len(lookups) == 1
+    # Each partition still gets its own answer: only the stored copies go without an embedding.
+    assert [[one.embedding is None for one in batch] for batch in prepared] == [[True, False], [True], [False]]
 
 
 async def test_a_vector_is_stored_and_compared_as_given(
