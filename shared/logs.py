@@ -111,4 +111,6 @@ def configure(log_format: str = "auto", level: int = logging.INFO, stream: TextI
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level)
+    # Alembic narrates its own start-up (a "setup plugin" line per plugin) at INFO on every command.
+    logging.getLogger("alembic.runtime.plugins").setLevel(max(level, logging.WARNING))
     return chosen

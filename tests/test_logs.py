@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -146,6 +147,14 @@ def json_lines(root_logger: logging.Logger) -> Iterator[io.StringIO]:
 
 def parsed_lines(out: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_a_command_that_loads_the_migrations_logs_nothing_before_its_work() -> None:
+    """`memories bench write --help` imports alembic; its start-up lines are noise on every command."""
+    command = [sys.executable, "-m", "services.cli", "bench", "write", "--help"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--writers" in done.stdout
+    assert "setup plugin" not in done.stderr, done.stderr
 
 
 async def test_every_writer_line_of_a_write_names_the_write_and_the_memory(
