@@ -95,6 +95,25 @@ class WriteError(BaseModel):
     status: int
 
 
+class EntryState(BaseModel):
+    """An entry as a write's transaction left it: the fields the REST API answers a write with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    memory_id: str
+    content: str
+    source_type: str
+    tags: list[str] | None = None
+    metadata: dict[str, Any] | None = None
+    source_generation_id: str | None = None
+    source_conversation_id: str | None = None
+    invalidated_at: datetime | None = None
+    superseded_by_entry_id: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
 class MemoryWriteOutcome(BaseModel):
     """Sent by the writer to a write's `reply_subject` after its transaction committed."""
 
@@ -105,6 +124,11 @@ class MemoryWriteOutcome(BaseModel):
     entry_id: str | None = None
     score: float | None = None
     error: WriteError | None = None
+    entry: EntryState | None = Field(
+        default=None,
+        description="the entry named by entry_id as of the commit, so the caller need not read it back; "
+        "absent on a failure, and on an outcome read back from storage",
+    )
 
 
 class EntryChangeKind(StrEnum):

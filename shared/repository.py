@@ -31,6 +31,7 @@ from sqlalchemy.types import UserDefinedType
 from shared import iam
 from shared.db.models import ApiKey, EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
 from shared.decision import Candidate
+from shared.events import EntryState
 from shared.ids import API_KEY_PREFIX, ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
 
 STALE_PENDING = timedelta(seconds=30)
@@ -249,6 +250,17 @@ async def find_nearest(session: AsyncSession, memory_id: str, vector: np.ndarray
         (Candidate(row.id, row.content, 1.0 - float(row.distance)) for row in rows),
         key=lambda candidate: -candidate.score,
     )
+
+
+_SELECT_ENTRY_STATES = select(*(MemoryEntry.__table__.c[field] for field in EntryState.model_fields)).where(
+    MemoryEntry.id == any_(bindparam("ids", type_=ARRAY(Text)))
+)
+
+
+async def get_entry_states(session: AsyncSession, entry_ids: Iterable[str]) -> dict[str, EntryState]:
+    """What a client is shown of each entry, by id, in one query; an id with no entry is left out."""
+    rows = await session.execute(_SELECT_ENTRY_STATES, {"ids": sorted(set(entry_ids))})
+    return {row.id: EntryState(**row._mapping) for row in rows}
 
 
 _INSERT_ENTRY = insert(MemoryEntry.__table__).values(embedding=_vector_param("vector"))

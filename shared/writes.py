@@ -13,7 +13,7 @@ its lookup, decision and insert.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -28,6 +28,7 @@ from shared.embeddings import EmbeddingError
 from shared.events import (
     AgentContext,
     EntryChangeKind,
+    EntryState,
     MemoryWriteOutcome,
     MemoryWriteRequested,
     WriteAction,
@@ -190,7 +191,10 @@ class WriteApplier:
             )
             earlier[event.write_id] = result
             decided.append(result)
-        return decided
+        # The entries as the batch leaves them go with the outcomes, so a waiting caller need not read them back.
+        named = [one.applied.outcome.entry_id for one in decided if one.applied.outcome.error is None]
+        states = await repo.get_entry_states(session, [entry_id for entry_id in named if entry_id])
+        return [one.with_entry(states) for one in decided]
 
     async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> list[Candidate | None]:
         """The valid entry of each (memory id, content hash) pair, if it has one: those need no embedding."""
@@ -378,6 +382,13 @@ class Decided:
     applied: AppliedWrite
     record: WriteOutcome | None = None  # None for a replay: its record is stored already
     history: EntryHistory | None = None
+
+    def with_entry(self, states: dict[str, EntryState]) -> Decided:
+        outcome = self.applied.outcome
+        state = states.get(outcome.entry_id) if outcome.entry_id and outcome.error is None else None
+        if state is None:
+            return self
+        return replace(self, applied=replace(self.applied, outcome=outcome.model_copy(update={"entry": state})))
 
 
 def _failure(event: MemoryWriteRequested, stored: WriteOutcome | None, code: str, message: str) -> Decided:

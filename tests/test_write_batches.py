@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
-from shared.events import MemoryWriteRequested, WriteAction
+from shared.events import MemoryWriteOutcome, MemoryWriteRequested, WriteAction
 from shared.ids import new_write_id
 from shared.writes import AppliedWrite, Decided, WriteApplier
 
@@ -140,6 +140,24 @@ async def test_partitions_preparing_together_look_their_copies_up_in_one_query(
     assert len(lookups) == 1
     # Each partition still gets its own answer: only the stored copies go without an embedding.
     assert [[one.embedding is None for one in batch] for batch in prepared] == [[True, False], [True], [False]]
+
+
+async def test_each_outcome_carries_its_entry_as_the_batch_left_it(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The reply carries the entry, so the API answers without reading it back."""
+    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "states"})).json()
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    tagged = write(memory, "Fay owns a boat").model_copy(update={"tags": ["boats"], "metadata": {"k": 1}})
+    created, skipped = await applier.apply_batch([tagged, write(memory, "fay owns a BOAT.")])
+    assert isinstance(created, AppliedWrite) and isinstance(skipped, AppliedWrite)
+    entry = created.outcome.entry
+    assert entry is not None and entry.id == created.outcome.entry_id
+    assert (entry.content, entry.tags, entry.metadata, entry.invalidated_at) == ("Fay owns a boat", ["boats"], {"k": 1}, None)
+    assert skipped.outcome.entry == entry  # a skip answers with the entry it kept
+    async with sessions() as session:
+        assert (await repo.get_entry_states(session, [entry.id]))[entry.id] == entry
+    assert MemoryWriteOutcome.model_validate_json(created.outcome.model_dump_json()) == created.outcome
 
 
 async def test_a_vector_is_stored_and_compared_as_given(

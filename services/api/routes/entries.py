@@ -106,10 +106,14 @@ async def submit_write(
 async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
     if outcome.error is not None:
         return envelope(outcome.error.status, outcome.error.message, code=outcome.error.code)
-    entry = await session.get(MemoryEntry, outcome.entry_id, populate_existing=True) if outcome.entry_id else None
-    if entry is None or outcome.action is None:
+    # The writer's reply carries the entry as of its commit; an outcome read back from storage does not.
+    shown = outcome.entry.model_dump() if outcome.entry is not None else None
+    if shown is None and outcome.entry_id:
+        entry = await session.get(MemoryEntry, outcome.entry_id, populate_existing=True)
+        shown = EntryOut.of(entry).model_dump() if entry is not None else None
+    if shown is None or outcome.action is None:
         return envelope(409, "the entry this write produced has since been deleted", meta={"write_id": outcome.write_id})
-    written = EntryWritten(**EntryOut.of(entry).model_dump(), action=outcome.action, write_id=outcome.write_id)
+    written = EntryWritten(**shown, action=outcome.action, write_id=outcome.write_id)
     code = status.HTTP_201_CREATED if outcome.action is WriteAction.CREATED else status.HTTP_200_OK
     return JSONResponse(written.model_dump(mode="json"), status_code=code)
 
