@@ -66,19 +66,7 @@ class WriteHandler:
         """Decide a prepared batch in its order, then acknowledge, answer and announce each write."""
         if not batch.events:
             return
-        results: Sequence[AppliedWrite | Exception]
-        try:
-            if batch.failure is not None:
-                raise batch.failure
-            if any(event.agent is not None for _, event in batch.events):
-                # A write that may wait on the agent's model keeps to its partition's own transaction:
-                # a slow model then holds up that partition only.
-                results = await self._applier.decide(batch.prepared)
-            else:
-                # Partitions' prepared batches are decided together, one transaction at a time.
-                results = await self._decide_together(batch.prepared)
-        except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
-            results = [exc] * len(batch.events)
+        results = [batch.failure] * len(batch.events) if batch.failure is not None else await self._decide(batch)
         announcements = []
         for (message, event), result in zip(batch.events, results, strict=True):
             # Every line logged while this write is handled, here or in shared code, names it (a task
@@ -92,6 +80,17 @@ class WriteHandler:
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
+
+    async def _decide(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
+        try:
+            if any(event.agent is not None for _, event in batch.events):
+                # A write that may wait on the agent's model keeps to its partition's own transaction:
+                # a slow model then holds up that partition only.
+                return await self._applier.decide(batch.prepared)
+            # Partitions' prepared batches are decided together, one transaction at a time.
+            return await self._decide_together(batch.prepared)
+        except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
+            return [exc] * len(batch.events)
 
     async def _decode(self, message: Msg) -> MemoryWriteRequested | None:
         """The message's event; None when it was dead-lettered (retrying cannot fix a malformed one)."""

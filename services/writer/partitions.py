@@ -30,6 +30,7 @@ Prepared = TypeVar("Prepared")
 FETCH_WAIT_S = 5.0
 """How long one fetch waits on an idle partition before it asks again."""
 
+
 class PartitionConsumer(Generic[Prepared]):
     def __init__(
         self,
