@@ -1,7 +1,8 @@
 """The event contract: every payload that crosses the bus, and nothing else.
 
 Events are frozen, reject unknown fields, and carry an id, a schema version and a timestamp.
-Fields are only ever added (with defaults), so old consumers keep reading new events.
+Fields are only ever added (with defaults). Readers reject fields they do not know, so the reader of an
+event is upgraded before its writer (docs/operations.md).
 `memories asyncapi` publishes this module as the AsyncAPI document in docs/asyncapi.json.
 """
 
