@@ -8,7 +8,6 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-import numpy as np
 from sqlalchemy import (
     Integer,
     Select,
@@ -26,7 +25,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, distinct_on, insert
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.types import UserDefinedType
 
 from shared import iam
 from shared.db.models import ApiKey, EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
@@ -213,27 +211,7 @@ async def find_exact_copies(
     }
 
 
-class _BinaryVector(UserDefinedType[Any]):
-    """A bound vector handed to psycopg as it is: a numpy array, which psycopg sends in pgvector's binary
-    form (the dumper is registered on each connection, shared.db.session). pgvector's own SQLAlchemy type
-    formats every float as text in Python instead (~0.2 ms for 384 dimensions) for PostgreSQL to parse back."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **_: Any) -> str:
-        return "vector"
-
-
-def as_vector(embedding: Sequence[float]) -> np.ndarray:
-    """The form `find_nearest` and `insert_entry` bind: built once per write, for its lookup and its insert."""
-    return np.asarray(embedding, dtype=np.float32)
-
-
-def _vector_param(name: str) -> Any:
-    return bindparam(name, type_=_BinaryVector())
-
-
-_DISTANCE = MemoryEntry.embedding.cosine_distance(_vector_param("vector"))
+_DISTANCE = MemoryEntry.embedding.cosine_distance(bindparam("vector", type_=MemoryEntry.embedding.type))
 _SELECT_NEAREST = (
     select(MemoryEntry.id, MemoryEntry.content, _DISTANCE.label("distance"))
     .where(MemoryEntry.memory_id == bindparam("memory_id"), MemoryEntry.invalidated_at.is_(None))
@@ -242,10 +220,13 @@ _SELECT_NEAREST = (
 )
 
 
-async def find_nearest(session: AsyncSession, memory_id: str, vector: np.ndarray, limit: int = 1) -> list[Candidate]:
-    """The most similar valid entries of one memory, by cosine similarity. `vector` as `as_vector` gives it."""
+async def find_nearest(
+    session: AsyncSession, memory_id: str, embedding: Sequence[float], limit: int = 1
+) -> list[Candidate]:
+    """The most similar valid entries of one memory, by cosine similarity."""
     # hnsw.iterative_scan is set on every connection (shared.db.session): the memory filter cannot starve it.
-    rows = (await session.execute(_SELECT_NEAREST, {"memory_id": memory_id, "vector": vector, "limit": limit})).all()
+    parameters = {"memory_id": memory_id, "vector": embedding, "limit": limit}
+    rows = (await session.execute(_SELECT_NEAREST, parameters)).all()
     return sorted(
         (Candidate(row.id, row.content, 1.0 - float(row.distance)) for row in rows),
         key=lambda candidate: -candidate.score,
@@ -263,15 +244,15 @@ async def get_entry_states(session: AsyncSession, entry_ids: Iterable[str]) -> d
     return {row.id: EntryState(**row._mapping) for row in rows}
 
 
-_INSERT_ENTRY = insert(MemoryEntry.__table__).values(embedding=_vector_param("vector"))
+_INSERT_ENTRY = insert(MemoryEntry.__table__)
 
 
-async def insert_entry(session: AsyncSession, *, vector: np.ndarray, **values: Any) -> str:
-    """The new entry's id. One INSERT of a constant statement, without loading the row into the session:
-    the hot path of writes. `vector` as `as_vector` gives it."""
+async def insert_entry(session: AsyncSession, **values: Any) -> str:
+    """The new entry's id. One INSERT of a constant statement (compiled once), without loading the row
+    into the session: the hot path of writes."""
     entry_id = new_id(ENTRY_PREFIX)
     values["metadata"] = values.pop("metadata_", None)  # the column behind the attribute
-    await session.execute(_INSERT_ENTRY, {"id": entry_id, "vector": vector, **values})
+    await session.execute(_INSERT_ENTRY, {"id": entry_id, **values})
     return entry_id
 
 

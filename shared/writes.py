@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-import numpy as np
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
@@ -240,13 +239,11 @@ class WriteApplier:
         policy = event.write_policy or WritePolicy(memory.write_policy)
         exact = copies.get(event.memory_id, digest)
         nearest: list[Candidate] = []
-        vector = None
         if exact is None:
             if embedding is None:
                 embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone
-            vector = repo.as_vector(embedding)
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
-            nearest = await repo.find_nearest(session, event.memory_id, vector, limit=limit)
+            nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
         merge, arbitration = self._steps(event, policy)
         decision = await decide(
             IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
@@ -255,7 +252,7 @@ class WriteApplier:
             consolidate=merge.consolidate if merge else None,
             arbitrate=arbitration.arbitrate if arbitration else None,
         )
-        entry, change = await self._carry_out(session, event, decision, digest, vector)
+        entry, change = await self._carry_out(session, event, decision, digest, embedding)
         copies.record(event.memory_id, decision, entry)
         record = WriteOutcome(
             write_id=event.write_id,
@@ -290,7 +287,7 @@ class WriteApplier:
         event: MemoryWriteRequested,
         decision: Decision,
         digest: str,
-        vector: np.ndarray | None,
+        embedding: list[float] | None,
     ) -> tuple[Written, EntryChangeKind | None]:
         target = decision.target
         if decision.action is WriteAction.SKIPPED:
@@ -300,14 +297,14 @@ class WriteApplier:
             assert target is not None and decision.merged_content is not None
             merged = await self._merge(session, event, target.entry_id, decision.merged_content)
             return Written(merged.id, merged.content), EntryChangeKind.UPDATED
-        assert vector is not None
+        assert embedding is not None
         entry_id = await repo.insert_entry(
             session,
-            vector=vector,
             memory_id=event.memory_id,
             project_id=event.project_id,
             content=event.content,
             content_hash=digest,
+            embedding=embedding,
             embedding_model=self._embedding_model,
             source_type=event.source_type.value,
             tags=event.tags,

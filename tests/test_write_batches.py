@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -39,6 +40,10 @@ class CountingEmbedder:
         return vectors
 
 
+async def new_memory(client: httpx.AsyncClient, project: dict[str, Any], name: str) -> dict[str, Any]:
+    return (await client.post("/memories", json={"project_id": project["id"], "name": name})).json()
+
+
 def write(memory: dict[str, Any], content: str, write_id: str | None = None) -> MemoryWriteRequested:
     return MemoryWriteRequested(
         event_id=write_id or new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content
@@ -62,8 +67,8 @@ async def valid_contents(sessions: async_sessionmaker[AsyncSession], memory_id: 
 async def test_a_batch_is_decided_in_order_with_one_embedding_call(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
-    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    first = await new_memory(client, project, "first")
+    second = await new_memory(client, project, "second")
     embedder = CountingEmbedder()
     applier = WriteApplier(sessions, embedder, "counting")
     assert actions(await applier.apply_batch([write(first, "Ada prefers tea")])) == ["created"]
@@ -100,8 +105,8 @@ async def test_a_batch_is_decided_in_order_with_one_embedding_call(
 async def test_a_stored_text_is_an_exact_copy_in_its_own_memory_only(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
-    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    first = await new_memory(client, project, "first")
+    second = await new_memory(client, project, "second")
     embedder = CountingEmbedder()
     applier = WriteApplier(sessions, embedder, "counting")
     assert actions(await applier.apply_batch([write(first, "Cy plays chess")])) == ["created"]
@@ -114,8 +119,8 @@ async def test_a_stored_text_is_an_exact_copy_in_its_own_memory_only(
 async def test_partitions_preparing_together_look_their_copies_up_in_one_query(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    first = (await client.post("/memories", json={"project_id": project["id"], "name": "first"})).json()
-    second = (await client.post("/memories", json={"project_id": project["id"], "name": "second"})).json()
+    first = await new_memory(client, project, "first")
+    second = await new_memory(client, project, "second")
     embedder = CountingEmbedder()
     applier = WriteApplier(sessions, embedder, "counting")
     assert actions(await applier.apply_batch([write(first, "Dee likes jazz"), write(second, "Eve likes rock")])) == [
@@ -146,7 +151,7 @@ async def test_each_outcome_carries_its_entry_as_the_batch_left_it(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     """The reply carries the entry, so the API answers without reading it back."""
-    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "states"})).json()
+    memory = await new_memory(client, project, "states")
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
     tagged = write(memory, "Fay owns a boat").model_copy(update={"tags": ["boats"], "metadata": {"k": 1}})
     created, skipped = await applier.apply_batch([tagged, write(memory, "fay owns a BOAT.")])
@@ -160,20 +165,32 @@ async def test_each_outcome_carries_its_entry_as_the_batch_left_it(
     assert MemoryWriteOutcome.model_validate_json(created.outcome.model_dump_json()) == created.outcome
 
 
-async def test_a_vector_is_stored_and_compared_as_given(
+async def test_a_vector_is_bound_in_binary_and_stored_and_compared_as_given(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    """The write path binds vectors in pgvector's binary form (repository.as_vector), not as text."""
-    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "vectors"})).json()
+    """The embedding column's type hands psycopg a float32 array (binary form), not text."""
+    memory = await new_memory(client, project, "vectors")
     [vector, other] = await CountingEmbedder()(["a stored fact", "an unrelated one"])
-    async with sessions.begin() as session:
-        entry_id = await repo.insert_entry(
-            session, vector=repo.as_vector(vector), memory_id=memory["id"], project_id=project["id"],
-            content="a stored fact", content_hash="h", embedding_model="counting", source_type="api",
-        )
-        stored = await session.scalar(select(MemoryEntry.embedding).where(MemoryEntry.id == entry_id))
-        [same] = await repo.find_nearest(session, memory["id"], repo.as_vector(vector))
-        [unrelated] = await repo.find_nearest(session, memory["id"], repo.as_vector(other))
+    bound: list[Any] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.startswith("INSERT INTO memory_entries"):
+            bound.append(parameters["embedding"])
+
+    engine = sessions.kw["bind"].sync_engine
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        async with sessions.begin() as session:
+            entry_id = await repo.insert_entry(
+                session, memory_id=memory["id"], project_id=project["id"], content="a stored fact",
+                content_hash="h", embedding=vector, embedding_model="counting", source_type="api",
+            )
+            stored = await session.scalar(select(MemoryEntry.embedding).where(MemoryEntry.id == entry_id))
+            [same] = await repo.find_nearest(session, memory["id"], vector)
+            [unrelated] = await repo.find_nearest(session, memory["id"], other)
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    assert len(bound) == 1 and isinstance(bound[0], np.ndarray) and bound[0].dtype == np.float32
     assert list(stored) == pytest.approx(vector, abs=1e-7)  # float32, as pgvector keeps it
     assert same.entry_id == entry_id and same.score == pytest.approx(1.0, abs=1e-6)
     assert unrelated.score == pytest.approx(sum(a * b for a, b in zip(vector, other, strict=True)), abs=1e-5)

@@ -42,7 +42,7 @@ def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
 
 
 async def _register_vector_type(connection: psycopg.AsyncConnection[Any]) -> None:
-    """Let psycopg send a numpy array as a pgvector `vector` in binary form (`repository.as_vector`)."""
+    """Let psycopg send a numpy array as a pgvector `vector` in binary form (`models.BinaryVector`)."""
     info = await TypeInfo.fetch(connection, "vector")
     if info is not None:  # None before the first migration has created the extension
         register_vector_info(connection, info)
