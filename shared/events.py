@@ -97,7 +97,7 @@ class WriteError(BaseModel):
 
 
 class EntryState(BaseModel):
-    """An entry as a write's transaction left it: the fields the REST API answers a write with."""
+    """An entry as a write's transaction left it. The REST API shows entries in this shape (`EntryOut`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -105,12 +105,12 @@ class EntryState(BaseModel):
     memory_id: str
     content: str
     source_type: str
-    tags: list[str] | None = None
-    metadata: dict[str, Any] | None = None
-    source_generation_id: str | None = None
-    source_conversation_id: str | None = None
-    invalidated_at: datetime | None = None
-    superseded_by_entry_id: str | None = None
+    tags: list[str] | None
+    metadata: dict[str, Any] | None
+    source_generation_id: str | None
+    source_conversation_id: str | None
+    invalidated_at: datetime | None
+    superseded_by_entry_id: str | None
     created_at: datetime
     updated_at: datetime
 

@@ -15,6 +15,7 @@ from shared.events import (
     METADATA_MAX_BYTES,
     TAG_MAX_CHARS,
     TAGS_MAX_COUNT,
+    EntryState,
     SourceType,
     WriteAction,
     WritePolicy,
@@ -146,17 +147,13 @@ class EntryUpdate(Strict):
     metadata: Metadata = None
 
 
-class EntryOut(BaseModel):
-    id: str
-    memory_id: str
-    content: str
-    source_type: str
-    tags: list[str] | None
-    metadata: dict[str, Any] | None
-    source_generation_id: str | None
-    source_conversation_id: str | None
+# The fields are the bus's (shared.events.EntryState): the writer's reply and the REST answer are one shape.
+class EntryOut(EntryState):
+    """A memory entry, also an invalidated one (audit); timestamps in UTC."""
+
+    model_config = ConfigDict(frozen=False, extra="ignore")
+
     invalidated_at: OptionalTimestamp
-    superseded_by_entry_id: str | None
     created_at: Timestamp
     updated_at: Timestamp
 
