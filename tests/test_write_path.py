@@ -44,6 +44,18 @@ async def test_idempotency_key_returns_the_first_outcome(
     assert bad_key.status_code == 400
 
 
+async def test_a_repeated_key_whose_entry_was_deleted_answers_409(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    """A repeat is answered from the stored outcome, whose entry is read back: here it has gone."""
+    headers = {"Idempotency-Key": "order-43-fact-1"}
+    body = {"memory_id": memory["id"], "content": "Order 43 ships by sea"}
+    first = await client.post("/memory-entries", json=body, headers=headers)
+    assert first.status_code == 201
+    assert (await client.delete(f"/memory-entries/{first.json()['id']}")).status_code == 204
+    again = await client.post("/memory-entries", json=body, headers=headers)
+    assert again.status_code == 409
+    assert again.json()["error"]["meta"]["write_id"] == first.json()["write_id"]
+
+
 async def test_timeout_answers_202_and_the_outcome_is_readable_later(
     settings: Settings, writers: list[Any], memory: dict[str, Any]
 ) -> None:

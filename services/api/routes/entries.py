@@ -107,13 +107,12 @@ async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONRes
     if outcome.error is not None:
         return envelope(outcome.error.status, outcome.error.message, code=outcome.error.code)
     # The writer's reply carries the entry as of its commit; an outcome read back from storage does not.
-    shown = outcome.entry.model_dump() if outcome.entry is not None else None
-    if shown is None and outcome.entry_id:
-        entry = await session.get(MemoryEntry, outcome.entry_id, populate_existing=True)
-        shown = EntryOut.of(entry).model_dump() if entry is not None else None
-    if shown is None or outcome.action is None:
+    entry = outcome.entry
+    if entry is None and outcome.entry_id:
+        entry = (await repo.get_entry_states(session, [outcome.entry_id])).get(outcome.entry_id)
+    if entry is None or outcome.action is None:
         return envelope(409, "the entry this write produced has since been deleted", meta={"write_id": outcome.write_id})
-    written = EntryWritten(**shown, action=outcome.action, write_id=outcome.write_id)
+    written = EntryWritten(**entry.model_dump(), action=outcome.action, write_id=outcome.write_id)
     code = status.HTTP_201_CREATED if outcome.action is WriteAction.CREATED else status.HTTP_200_OK
     return JSONResponse(written.model_dump(mode="json"), status_code=code)
 
