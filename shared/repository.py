@@ -114,6 +114,14 @@ async def get_memory(session: AsyncSession, project_id: str | None, memory_id: s
     return _visible(await session.get(Memory, memory_id), project_id)
 
 
+_SELECT_MEMORY_PROJECT = select(Memory.project_id).where(Memory.id == bindparam("id"))
+
+
+async def get_memory_project(session: AsyncSession, memory_id: str) -> str | None:
+    """The project of a memory, or None when there is no such memory."""
+    return await session.scalar(_SELECT_MEMORY_PROJECT, {"id": memory_id})
+
+
 async def list_memories(
     session: AsyncSession, project_id: str, tag_patterns: Sequence[str], limit: int, offset: int
 ) -> tuple[list[Memory], int]:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI
 
 from services.api import errors
 from services.api.limits import BodySizeLimit
+from services.api.owners import MemoryOwners
 from services.api.routes import (
     agents,
     api_keys,
@@ -49,6 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.read_sessions = session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
         app.state.nats = nc
         app.state.gateway = gateway
+        app.state.memory_owners = MemoryOwners()
         try:
             yield
         finally:

@@ -20,7 +20,7 @@ from services.api.deps import (
 )
 from services.api.errors import ApiError
 from services.api.routes.entries import load_entry, submit_write, write_id_for
-from services.api.routes.memories import load_memory
+from services.api.routes.memories import writable_memory_project
 from services.api.schemas import Content, Metadata, Strict, Timestamp
 from shared import repository as repo
 from shared.agents import AgentSpec, orchestration_event
@@ -62,7 +62,8 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
     target = body.agent.knowledge_config.write_memory_id
     if body.memory_id is not None and body.memory_id != target:
         return ToolResult(error="the model cannot choose the memory: it is fixed by write_memory_id")
-    if not target or not is_valid_id(target, MEMORY_PREFIX) or await repo.get_memory(session, project_id, target) is None:
+    owners = request.app.state.memory_owners
+    if not target or not is_valid_id(target, MEMORY_PREFIX) or await owners.project_of(session, target) != project_id:
         return ToolResult(error="the agent's write_memory_id names no memory of this project")
     await session.rollback()  # no pool slot held while the writer decides
     result = await call_write_memory(
@@ -97,17 +98,17 @@ async def orchestration_write(
     principal: PrincipalDep,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JSONResponse:
-    memory = await load_memory(session, scope(principal), body.memory_id)
+    project_id = await writable_memory_project(request, session, principal, body.memory_id)
     if body.content is None:
         raise ApiError(400, "content is required", meta={"missing_fields": ["content"]})
     event = orchestration_event(
-        project_id=memory.project_id,
-        memory_id=memory.id,
+        project_id=project_id,
+        memory_id=body.memory_id,
         content=body.content,
         tags=body.tags,
         metadata=body.metadata,
         source_type=body.source_type,
-        write_id=write_id_for(memory.project_id, idempotency_key),
+        write_id=write_id_for(project_id, idempotency_key),
     )
     if not event.content.strip() or len(event.content) > CONTENT_MAX_CHARS:
         raise ApiError(413 if event.content.strip() else 400, f"content must be 1 to {CONTENT_MAX_CHARS} characters")

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
 from services.api.errors import ApiError, envelope, not_found
 from services.api.pagination import PagingDep
-from services.api.routes.memories import load_memory
+from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
 from shared import bus
 from shared import repository as repo
@@ -61,11 +61,11 @@ async def create_entry(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(description="retries with the same key get the first outcome")] = None,
 ) -> JSONResponse:
-    memory = await load_memory(session, scope(principal), body.memory_id)
+    project_id = await writable_memory_project(request, session, principal, body.memory_id)
     event = MemoryWriteRequested(
-        event_id=write_id_for(memory.project_id, idempotency_key),
-        project_id=memory.project_id,
-        memory_id=memory.id,
+        event_id=write_id_for(project_id, idempotency_key),
+        project_id=project_id,
+        memory_id=body.memory_id,
         content=body.content,
         source_type=body.source_type,
         tags=body.tags,

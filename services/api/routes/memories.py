@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project, scope
+from services.api.deps import (
+    Principal,
+    PrincipalDep,
+    ReadSessionDep,
+    SessionDep,
+    require,
+    resolve_project,
+    scope,
+)
 from services.api.errors import ApiError, not_found
 from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
@@ -28,6 +36,21 @@ async def load_memory(session: AsyncSession, principal_scope: str | None, memory
     if memory is None:
         raise not_found("memory", memory_id)
     return memory
+
+
+async def writable_memory_project(
+    request: Request, session: AsyncSession, principal: Principal, memory_id: str
+) -> str:
+    """The project of a memory the caller may write to, or a 404 as `load_memory` gives.
+
+    A write needs nothing else of the memory before it is published, and the API remembers owners
+    (`MemoryOwners`): the hot path of writes then reads nothing here."""
+    project_id = None
+    if is_valid_id(memory_id, MEMORY_PREFIX):
+        project_id = await request.app.state.memory_owners.project_of(session, memory_id)
+    if project_id is None or scope(principal) not in (None, project_id):
+        raise not_found("memory", memory_id)
+    return project_id
 
 
 @router.post(
@@ -100,8 +123,12 @@ async def update_memory(
     summary="Delete a memory and its entries",
     dependencies=[require("memories:DeleteMemory")],
 )
-async def delete_memory(memory_id: str, session: SessionDep, principal: PrincipalDep) -> Response:
+async def delete_memory(
+    memory_id: str, request: Request, session: SessionDep, principal: PrincipalDep
+) -> Response:
     memory = await load_memory(session, scope(principal), memory_id)
     await repo.delete_memory(session, memory)
     await session.commit()
+    # Other API processes still remember it; their writes to it are refused by the writer instead.
+    request.app.state.memory_owners.forget(memory.id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
