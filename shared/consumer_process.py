@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared import bus, metrics
 from shared.db.session import create_engine
-from shared.lifecycle import wait_for_shutdown_signal
+from shared.lifecycle import freeze_long_lived_objects, wait_for_shutdown_signal
 from shared.metrics_server import MetricsServer, serve_metrics
 from shared.settings import Settings
 
@@ -60,6 +60,7 @@ class ConsumerProcess:
         self.nc = await bus.connect(self.settings.nats_url or "", name=f"memories-{self.name}")
         await bus.ensure_layout(self.nc.jetstream(), self.settings)
         await self.prepare(self.nc)
+        freeze_long_lived_objects()
         await self.broker.start()
         self._ready = True
         self._lag_poller = asyncio.create_task(

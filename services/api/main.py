@@ -25,6 +25,7 @@ from services.api.routes import (
 )
 from shared import bus
 from shared.db.session import create_engine, session_factory
+from shared.lifecycle import freeze_long_lived_objects
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 
@@ -51,6 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.nats = nc
         app.state.gateway = gateway
         app.state.memory_owners = MemoryOwners()
+        freeze_long_lived_objects()
         try:
             yield
         finally:
