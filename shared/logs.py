@@ -111,6 +111,8 @@ def configure(log_format: str = "auto", level: int = logging.INFO, stream: TextI
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level)
-    # Alembic narrates its own start-up (a "setup plugin" line per plugin) at INFO on every command.
-    logging.getLogger("alembic.runtime.plugins").setLevel(max(level, logging.WARNING))
+    # Alembic narrates its own start-up (a "setup plugin" line per plugin) at INFO on every command, and
+    # httpx each request the client SDK makes (the CLI, the benchmarks): noise at INFO.
+    for chatty in ("alembic.runtime.plugins", "httpx"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
     return chosen

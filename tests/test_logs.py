@@ -128,6 +128,7 @@ def test_configure_replaces_the_root_handlers_with_one_json_writer(root_logger: 
     with log_context(write_id="wr_9"):
         logging.getLogger("memories.test").info("hello %s", "there", extra={"memory_id": "mem_9"})
     logging.getLogger("memories.test").debug("not at INFO")
+    logging.getLogger("httpx").info("HTTP Request: POST http://api/ \"HTTP/1.1 201 Created\"")  # the SDK's requests
     [line] = out.getvalue().splitlines()
     parsed = json.loads(line)
     assert (parsed["message"], parsed["write_id"], parsed["memory_id"]) == ("hello there", "wr_9", "mem_9")

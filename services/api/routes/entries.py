@@ -58,7 +58,6 @@ async def create_entry(
     request: Request,
     session: ReadSessionDep,
     principal: PrincipalDep,
-    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(description="retries with the same key get the first outcome")] = None,
 ) -> JSONResponse:
     project_id = await writable_memory_project(request, session, principal, body.memory_id)
