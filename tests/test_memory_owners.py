@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 from sqlalchemy import delete, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -49,32 +50,50 @@ async def test_only_the_first_write_to_a_memory_reads_its_owner(client: httpx.As
     assert len(lookups) == 1
 
 
-async def test_a_memory_deleted_by_another_process_is_404_to_a_writer(
-    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
-) -> None:
-    """The API still remembers the memory; the writer finds it gone and the answer is the same 404."""
-    assert (await write(client, memory["id"], "The office is in Lisbon")).status_code == 201
-    async with sessions.begin() as session:
-        await session.execute(delete(Memory).where(Memory.id == memory["id"]))
-    response = await write(client, memory["id"], "The office moved to Porto")
-    assert response.status_code == 404, response.text
-    error = response.json()["error"]
-    assert error["code"] == "RESOURCE_NOT_FOUND" and error["message"] == f"memory {memory['id']} not found"
-
-
-async def test_deleting_a_memory_forgets_its_owner(settings: Settings, writers: list[Any]) -> None:
+@asynccontextmanager
+async def own_api(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """An API of its own, so a test can look at what it remembers."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         async with httpx.AsyncClient(transport=transport, base_url="http://test/api/v1", headers=headers) as client:
-            project = (await client.post("/projects", json={"name": "owners"})).json()
-            memory = (await client.post("/memories", json={"project_id": project["id"], "name": "notes"})).json()
-            assert (await write(client, memory["id"], "Invoices go out on Fridays")).status_code == 201
-            assert memory["id"] in app.state.memory_owners
-            assert (await client.delete(f"/memories/{memory['id']}")).status_code == 204
-            assert memory["id"] not in app.state.memory_owners
-            assert (await write(client, memory["id"], "Invoices go out on Mondays")).status_code == 404
+            yield app, client
+
+
+async def new_memory(client: httpx.AsyncClient) -> str:
+    project = (await client.post("/projects", json={"name": "owners"})).json()
+    memory_id: str = (await client.post("/memories", json={"project_id": project["id"], "name": "notes"})).json()["id"]
+    return memory_id
+
+
+async def test_a_memory_deleted_by_another_process_is_404_from_the_writer_and_then_forgotten(
+    settings: Settings, writers: list[Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The API still remembers the memory; the writer finds it gone, the answer is the same 404, and the API
+    forgets it, so the next write is refused without the bus."""
+    async with own_api(settings) as (app, client):
+        memory_id = await new_memory(client)
+        assert (await write(client, memory_id, "The office is in Lisbon")).status_code == 201
+        async with sessions.begin() as session:  # as another API process would
+            await session.execute(delete(Memory).where(Memory.id == memory_id))
+        assert memory_id in app.state.memory_owners
+        response = await write(client, memory_id, "The office moved to Porto")
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["code"] == "RESOURCE_NOT_FOUND" and error["message"] == f"memory {memory_id} not found"
+        assert memory_id not in app.state.memory_owners
+        assert (await write(client, memory_id, "The office moved to Faro")).status_code == 404
+
+
+async def test_deleting_a_memory_forgets_its_owner(settings: Settings, writers: list[Any]) -> None:
+    async with own_api(settings) as (app, client):
+        memory_id = await new_memory(client)
+        assert (await write(client, memory_id, "Invoices go out on Fridays")).status_code == 201
+        assert memory_id in app.state.memory_owners
+        assert (await client.delete(f"/memories/{memory_id}")).status_code == 204
+        assert memory_id not in app.state.memory_owners
+        assert (await write(client, memory_id, "Invoices go out on Mondays")).status_code == 404
 
 
 async def test_owners_keep_at_most_their_capacity_and_no_misses(

@@ -13,8 +13,8 @@ class MemoryOwners:
     Before a write is published the API only has to know that the memory is the caller's. A memory never
     moves to another project and its id is never reused, so a remembered owner is never wrong. A memory
     deleted since is the writer's to catch: it checks the memory under its lock and answers
-    RESOURCE_NOT_FOUND, which the API returns as the same 404. Ids that name no memory are not remembered,
-    so made-up ids cannot fill the table.
+    RESOURCE_NOT_FOUND, which the API returns as the same 404 and then forgets the memory. Ids that name no
+    memory are not remembered, so made-up ids cannot fill the table.
     """
 
     def __init__(self, capacity: int = 20_000) -> None:
