@@ -5,16 +5,20 @@ from __future__ import annotations
 import secrets
 import string
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     Integer,
     Select,
+    Table,
     Text,
     and_,
     any_,
     bindparam,
+    column,
     delete,
     func,
     literal_column,
@@ -306,24 +310,6 @@ async def get_write_outcomes(session: AsyncSession, write_ids: Iterable[str]) ->
     return {record.write_id: record for record in records}
 
 
-_OUTCOME_COLUMNS = [c.key for c in WriteOutcome.__table__.columns if c.key not in ("created_at", "updated_at")]
-_INSERT_OUTCOME = insert(WriteOutcome.__table__)
-_UPSERT_OUTCOME = _INSERT_OUTCOME.on_conflict_do_update(
-    index_elements=[WriteOutcome.write_id],
-    set_={key: _INSERT_OUTCOME.excluded[key] for key in _OUTCOME_COLUMNS if key != "write_id"} | {"updated_at": func.now()},
-)
-
-
-async def save_write_outcomes(session: AsyncSession, outcomes: Sequence[WriteOutcome]) -> None:
-    """Insert or overwrite the writes' records (a pending claim may exist), in one round trip."""
-    if not outcomes:
-        return
-    rows = [{key: getattr(outcome, key) for key in _OUTCOME_COLUMNS} for outcome in outcomes]
-    for row in rows:
-        row["failed_attempts"] = row["failed_attempts"] or 0
-    await session.execute(_UPSERT_OUTCOME, rows)
-
-
 async def claim_write_id(
     session: AsyncSession, write_id: str, project_id: str, memory_id: str
 ) -> tuple[WriteOutcome, bool]:
@@ -367,14 +353,82 @@ async def release_write_claim(session: AsyncSession, write_id: str) -> None:
     )
 
 
-_HISTORY_COLUMNS = [c.key for c in EntryHistory.__table__.columns if c.key not in ("id", "created_at")]
-_INSERT_HISTORY = insert(EntryHistory.__table__)
+@dataclass(frozen=True, slots=True)
+class OutcomeRecord:
+    """A write's outcome as the writer stores it, the write id's idempotency record. Plain data: building
+    each as an ORM object cost more CPU than storing it."""
+
+    write_id: str
+    project_id: str
+    memory_id: str
+    status: str  # applied | failed
+    action: str | None = None
+    entry_id: str | None = None
+    score: float | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    failed_attempts: int = 0
 
 
-async def add_history(session: AsyncSession, records: Sequence[EntryHistory]) -> None:
-    """Append audit records (built, never added to the session), in one round trip."""
-    if records:
-        await session.execute(_INSERT_HISTORY, [{key: getattr(r, key) for key in _HISTORY_COLUMNS} for r in records])
+@dataclass(frozen=True, slots=True)
+class HistoryRecord:
+    """One audit record of `entry_history`, as stored (plain data, like OutcomeRecord)."""
+
+    project_id: str
+    memory_id: str
+    entry_id: str
+    action: str
+    write_id: str | None = None
+    related_entry_id: str | None = None
+    rule: str | None = None
+    score: float | None = None
+    candidate_ids: list[str] | None = None
+    model: str | None = None
+    prompt_version: str | None = None
+    content_before: str | None = None
+    content_after: str | None = None
+
+
+def _json_rows(name: str, table: Table, keys: Sequence[str]) -> Any:
+    """The rows of a JSON array parameter as a table with the columns' own types (`json_to_recordset`)."""
+    columns = [column(key, table.c[key].type) for key in keys]
+    return func.json_to_recordset(bindparam(name, type_=JSON)).table_valued(*columns).render_derived(
+        name=name, with_types=True
+    )
+
+
+def _insert_json_rows(table: Table, record: type, name: str) -> Any:
+    keys = [field.name for field in fields(record)]
+    rows = _json_rows(name, table, keys)
+    return insert(table).from_select(keys, select(*(rows.c[key] for key in keys)))
+
+
+_UPSERT_OUTCOMES = _insert_json_rows(WriteOutcome.__table__, OutcomeRecord, "outcomes")
+_UPSERT_OUTCOMES = _UPSERT_OUTCOMES.on_conflict_do_update(
+    index_elements=[WriteOutcome.write_id],
+    set_={f.name: _UPSERT_OUTCOMES.excluded[f.name] for f in fields(OutcomeRecord) if f.name != "write_id"}
+    | {"updated_at": func.now()},
+)
+# Outcomes and audit records in one statement, whatever their number: one round trip, and the rows travel as
+# one JSON parameter each instead of one bound row each (a third of the CPU for a batch of four writes).
+_SAVE_RECORDS = _insert_json_rows(EntryHistory.__table__, HistoryRecord, "history").add_cte(
+    _UPSERT_OUTCOMES.cte("saved_outcomes")
+)
+
+
+async def save_records(
+    session: AsyncSession, outcomes: Sequence[OutcomeRecord], history: Sequence[HistoryRecord]
+) -> None:
+    """Insert or overwrite the writes' outcomes (a pending claim may exist) and append audit records. A
+    write id appears at most once in `outcomes`."""
+    if outcomes or history:
+        await session.execute(
+            _SAVE_RECORDS, {"outcomes": [_plain(r) for r in outcomes], "history": [_plain(r) for r in history]}
+        )
+
+
+def _plain(record: OutcomeRecord | HistoryRecord) -> dict[str, Any]:
+    return {field: getattr(record, field) for field in record.__slots__}  # a slotted dataclass's fields
 
 
 async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistory]:

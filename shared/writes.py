@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import registry
 from shared import repository as repo
 from shared.batching import Coalescer
-from shared.db.models import EntryHistory, Memory, MemoryEntry, WriteOutcome
+from shared.db.models import Memory, MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
 from shared.embeddings import EmbeddingError
 from shared.events import (
@@ -36,6 +36,7 @@ from shared.events import (
 )
 from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
+from shared.repository import HistoryRecord, OutcomeRecord
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
@@ -51,7 +52,7 @@ class AppliedWrite:
     rejected: str | None = None  # why the event must be dead-lettered (it names another project's memory)
 
 
-def outcome_of(record: WriteOutcome) -> MemoryWriteOutcome:
+def outcome_of(record: WriteOutcome | OutcomeRecord) -> MemoryWriteOutcome:
     error = None
     if record.status == "failed":
         code = record.error_code or "INTERNAL_ERROR"
@@ -254,7 +255,7 @@ class WriteApplier:
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
         copies.record(event.memory_id, decision, entry)
-        record = WriteOutcome(
+        record = OutcomeRecord(
             write_id=event.write_id,
             project_id=event.project_id,
             memory_id=event.memory_id,
@@ -277,9 +278,9 @@ class WriteApplier:
 
     @staticmethod
     async def _store(session: AsyncSession, decided: Sequence[Decided]) -> None:
-        """The batch's outcomes and its audit records, in one statement each."""
-        await repo.save_write_outcomes(session, [one.record for one in decided if one.record is not None])
-        await repo.add_history(session, [one.history for one in decided if one.history is not None])
+        """The batch's outcomes and its audit records, in one statement."""
+        outcomes = [one.record for one in decided if one.record is not None]
+        await repo.save_records(session, outcomes, [one.history for one in decided if one.history is not None])
 
     async def _carry_out(
         self,
@@ -377,8 +378,8 @@ class Decided:
     """One write decided inside a transaction: its result and the records to store with it."""
 
     applied: AppliedWrite
-    record: WriteOutcome | None = None  # None for a replay: its record is stored already
-    history: EntryHistory | None = None
+    record: OutcomeRecord | None = None  # None for a replay: its record is stored already
+    history: HistoryRecord | None = None
 
     def with_entry(self, states: dict[str, EntryState]) -> Decided:
         outcome = self.applied.outcome
@@ -389,7 +390,7 @@ class Decided:
 
 
 def _failure(event: MemoryWriteRequested, stored: WriteOutcome | None, code: str, message: str) -> Decided:
-    record = WriteOutcome(
+    record = OutcomeRecord(
         write_id=event.write_id,
         project_id=event.project_id,
         memory_id=event.memory_id,
@@ -407,14 +408,14 @@ def _history(
     entry: Written,
     nearest: list[Candidate],
     model_steps: ModelSteps | None,
-) -> EntryHistory:
+) -> HistoryRecord:
     target = decision.target
     asked_model = decision.rule.startswith(("arbitrated", "merged"))
     prompt_version = None
     if asked_model:
         prompt_version = ARBITRATION_PROMPT_VERSION if decision.rule.startswith("arbitrated") else MERGE_PROMPT_VERSION
     changed_text = decision.action is WriteAction.UPDATED
-    return EntryHistory(
+    return HistoryRecord(
         write_id=event.write_id,
         project_id=event.project_id,
         memory_id=event.memory_id,

@@ -242,3 +242,37 @@ async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
     assert isinstance(results[1], AppliedWrite) and results[1].outcome.error is not None
     assert results[1].outcome.error.code == "EMBEDDING_UNAVAILABLE"
     assert await valid_contents(sessions, memory["id"]) == ["Erin skis"]
+
+
+def test_the_stored_records_name_every_column_the_writer_sets() -> None:
+    """A column added to a table must be added to its record, or every write would store it empty."""
+    set_by_server = {"id", "created_at", "updated_at"}
+    for record, table in ((repo.OutcomeRecord, WriteOutcome.__table__), (repo.HistoryRecord, EntryHistory.__table__)):
+        assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server
+
+
+async def test_outcomes_and_audit_records_are_stored_as_given(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    project_id, memory_id = memory["project_id"], memory["id"]
+    claimed, fresh = new_write_id(), new_write_id()
+    async with sessions.begin() as session:
+        await repo.claim_write_id(session, claimed, project_id, memory_id)  # a pending claim to overwrite
+    outcomes = [
+        repo.OutcomeRecord(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
+        repo.OutcomeRecord(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
+    ]
+    history = [
+        repo.HistoryRecord(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
+                           candidate_ids=["ent_a", "ent_b"], content_after="line\nbreak"),
+        repo.HistoryRecord(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
+    ]
+    async with sessions.begin() as session:
+        await repo.save_records(session, outcomes, history)
+    async with sessions() as session:
+        stored = {o.write_id: o for o in await session.scalars(select(WriteOutcome).where(WriteOutcome.memory_id == memory_id))}
+        audit = list(await session.scalars(
+            select(EntryHistory).where(EntryHistory.memory_id == memory_id).order_by(EntryHistory.id)
+        ))
+    assert [repo.OutcomeRecord(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in outcomes] == outcomes
+    assert [repo.HistoryRecord(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == history

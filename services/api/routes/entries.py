@@ -16,7 +16,7 @@ from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
 from shared import bus
 from shared import repository as repo
-from shared.db.models import EntryHistory, MemoryEntry
+from shared.db.models import MemoryEntry
 from shared.embeddings import EmbeddingError, embed_texts
 from shared.events import (
     EntryChangeKind,
@@ -27,6 +27,7 @@ from shared.events import (
 )
 from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
+from shared.repository import HistoryRecord
 from shared.write_gateway import BusUnavailable
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
@@ -187,7 +188,7 @@ async def update_entry(
     # The memory's lock keeps an edit from interleaving with a writer decision on the same memory.
     await repo.lock_memory(session, entry.memory_id)
     entry = await repo.update_entry(session, entry, changes)
-    await repo.add_history(session, [_edit_record(entry, "edited", before, entry.content)])
+    await repo.save_records(session, [], [_edit_record(entry, "edited", before, entry.content)])
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
@@ -202,7 +203,7 @@ async def update_entry(
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     await repo.lock_memory(session, entry.memory_id)
-    await repo.add_history(session, [_edit_record(entry, "deleted", entry.content, None)])
+    await repo.save_records(session, [], [_edit_record(entry, "deleted", entry.content, None)])
     await repo.delete_entry(session, entry)
     await session.commit()
     await _announce(request, entry, EntryChangeKind.DELETED)
@@ -216,8 +217,8 @@ async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind)
     await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
 
 
-def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> EntryHistory:
-    return EntryHistory(
+def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> HistoryRecord:
+    return HistoryRecord(
         project_id=entry.project_id,
         memory_id=entry.memory_id,
         entry_id=entry.id,
