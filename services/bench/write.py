@@ -72,8 +72,8 @@ class RawConnection:
     """A keep-alive HTTP/1.1 connection that costs next to no CPU: the load generator shares the two cores
     with the system under test, and an HTTP client library spends more per request than the API does."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._host, self._port = host, port
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self._host, self._port, self._token = host, port, token
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -81,7 +81,7 @@ class RawConnection:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
         assert self._reader is not None
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nAuthorization: Bearer {self._token}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
         self._writer.write(head.encode() + body)
         status_line = await self._reader.readline()
@@ -97,7 +97,9 @@ class RawConnection:
             self._writer.close()
 
 
-async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: int, pids: dict[str, int]) -> Run:
+async def drive(
+    base: str, name: str, writes: list[tuple[str, str]], clients: int, pids: dict[str, int], token: str = TOKEN
+) -> Run:
     host, port = base.removeprefix("http://").split(":")
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for memory_id, content in writes:
@@ -106,7 +108,7 @@ async def drive(base: str, name: str, writes: list[tuple[str, str]], clients: in
     actions: Counter[str] = Counter()
 
     async def worker() -> None:
-        connection = RawConnection(host, int(port))
+        connection = RawConnection(host, int(port), token)
         try:
             while not queue.empty():
                 body = queue.get_nowait()
@@ -135,15 +137,19 @@ async def scenarios(base: str, args: argparse.Namespace, pids: dict[str, int]) -
             for i in range(args.memories)
         ]
         hammered = (await client.post("/memories", json={"project_id": project, "name": "one"})).json()["id"]
+        token = TOKEN
+        if args.api_key:  # what a client holds: a project key, looked up on every request (revocation is immediate)
+            body = {"project_id": project, "name": "bench", "actions": ["memories:CreateMemoryEntry"]}
+            token = (await client.post("/api-keys", json=body)).json()["key"]
         texts = facts(args.writes, seed=1)
         spread = [(memories[i % len(memories)], text) for i, text in enumerate(texts)]
-    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4, pids)
-    runs = [await drive(base, "created, many memories", spread, args.clients, pids)]
-    runs.append(await drive(base, "exact copies", spread, args.clients, pids))
-    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients, pids))
+    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4, pids, token)
+    runs = [await drive(base, "created, many memories", spread, args.clients, pids, token)]
+    runs.append(await drive(base, "exact copies", spread, args.clients, pids, token))
+    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients, pids, token))
     one = [(hammered, text) for text in facts(args.writes // 2, seed=2)]
     name = f"{args.one_memory_clients} clients, one memory"
-    runs.append(await drive(base, name, one, args.one_memory_clients, pids))
+    runs.append(await drive(base, name, one, args.one_memory_clients, pids, token))
     return runs
 
 
@@ -163,6 +169,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--memories", type=int, default=200)
     parser.add_argument("--one-memory-clients", type=int, default=50)
     parser.add_argument("--writers", type=int, default=1, help="writer processes (replicas)")
+    parser.add_argument("--api-key", action="store_true",
+                        help="write with a project API key, as clients do, instead of the admin token")
     args = parser.parse_args(argv)
 
     settings = get_settings()
@@ -199,7 +207,7 @@ def main(argv: list[str]) -> int:
     embed_rate = asyncio.run(raw_embedder(facts(args.writes, seed=1), batch=64))
 
     print(f"{args.clients} clients, {args.writes} writes per scenario over {args.memories} memories, "
-          f"{args.writers} writer process(es), 1 API process; "
+          f"{args.writers} writer process(es), 1 API process, {'a project API key' if args.api_key else 'the admin token'}; "
           f"embedder {settings.embedding_model}; {os.cpu_count()} cores\n")
     processes = [name for name in pids if name.startswith("writer")] + ["api", "postgres", "nats", "load"]
     processes = [name for name in processes if name in runs[0].cpu]
