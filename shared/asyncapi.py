@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 
 from shared import bus
 from shared.events import (
+    ApiKeyRevoked,
     ConversationDeleted,
     DeadLetter,
     ExtractionCompleted,
@@ -94,6 +95,14 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
         {"project_id": "the project"},
         "receive",
         "writer",
+    ),
+    "apiKeyRevocations": (
+        bus.API_KEY_REVOKED_SUBJECT,
+        ApiKeyRevoked,
+        "Core NATS. A key was revoked: every API process forgets it at once (they remember live keys briefly).",
+        {},
+        "send",
+        "api (and every api process receives it)",
     ),
     "deadLetters": (
         f"{bus.DEAD_LETTER_ROOT}.{{origin}}",

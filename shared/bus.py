@@ -45,6 +45,7 @@ WRITER_CONVERSATION_DELETIONS = "writer-conversation-deletions"
 WRITE_SUBJECT_ROOT = "memories.write"
 EVENT_SUBJECT_ROOT = "memories.events"
 DEAD_LETTER_ROOT = "dlq"
+API_KEY_REVOKED_SUBJECT = "memories.api-keys.revoked"  # core NATS, in no stream: a broadcast to the API processes
 WRITE_BATCHES_IN_HAND = 2
 """A writer holds a partition's batch being decided and the next one being prepared (embedded)."""
 

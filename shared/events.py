@@ -150,6 +150,12 @@ class MemoryEntryChanged(Event):
     superseded_entry_id: str | None = None
 
 
+class ApiKeyRevoked(Event):
+    """Core NATS subject `memories.api-keys.revoked`: every API process forgets the key it may have remembered."""
+
+    key_id: str
+
+
 class GenerationDeleted(Event):
     """Subject `generations.deleted.<project_id>`; stream GENERATIONS: entries forget the generation id."""
 

@@ -487,11 +487,11 @@ _SELECT_LIVE_KEY = select(ApiKey.id, ApiKey.project_id, ApiKey.actions).where(
 )
 
 
-async def get_live_api_key(session: AsyncSession, secret: str) -> Row[tuple[str, str, list[str]]] | None:
-    """The unrevoked key with this secret: its id, project and actions. The probe is by hash: its timing tells
-    nothing about the secret. Every request with a key makes it, so it is a constant statement of plain
-    columns (no statement built, no ORM object loaded per request)."""
-    return (await session.execute(_SELECT_LIVE_KEY, {"secret_hash": iam.secret_hash(secret)})).first()
+async def get_live_api_key(session: AsyncSession, secret_hash: str) -> Row[tuple[str, str, list[str]]] | None:
+    """The unrevoked key whose secret has this hash (`iam.secret_hash`): its id, project and actions. The
+    probe is by hash, so its timing tells nothing about the secret. A constant statement of plain columns:
+    it runs on requests, and builds no statement and loads no ORM object each time."""
+    return (await session.execute(_SELECT_LIVE_KEY, {"secret_hash": secret_hash})).first()
 
 
 async def list_api_keys(

@@ -22,6 +22,11 @@ class Settings(BaseSettings):
     memories_port: int = 8000
     memories_admin_token: str | None = Field(default=None, description="bearer token of the admin routes")
     memories_write_timeout_s: float = Field(default=10.0, gt=0, description="wait for the writer before a 202")
+    memories_api_key_cache_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="how long an API process may remember a live API key (revocations are broadcast; 0: read it on every request)",
+    )
 
     # Bus layout. Changing the partition count means draining MEMORY_WRITES first (docs/operations.md).
     memories_partitions: int = Field(default=16, ge=1, le=1024)

@@ -8,12 +8,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
+from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.main import create_app
@@ -102,7 +104,9 @@ async def extractors(settings: Settings, writers: list[Writer]) -> AsyncIterator
         await replica.stop()
 
 
-async def open_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+@asynccontextmanager
+async def open_api(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """An API app of its own (as another API process would be), with an admin client of it."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -112,7 +116,12 @@ async def open_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
             timeout=30,
         ) as client:
-            yield client
+            yield app, client
+
+
+async def open_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    async with open_api(settings) as (_app, client):
+        yield client
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
 from sqlalchemy import delete, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.api.main import create_app
 from services.api.owners import MemoryOwners
 from shared.db.models import Memory
 from shared.settings import Settings
-from tests.conftest import ADMIN_TOKEN
+from tests.conftest import open_api
 
 _OWNER_LOOKUP = re.compile(r"SELECT memories\.project_id\s+FROM memories\s+WHERE")
 
@@ -50,17 +48,6 @@ async def test_only_the_first_write_to_a_memory_reads_its_owner(client: httpx.As
     assert len(lookups) == 1
 
 
-@asynccontextmanager
-async def own_api(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """An API of its own, so a test can look at what it remembers."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://test/api/v1", headers=headers) as client:
-            yield app, client
-
-
 async def new_memory(client: httpx.AsyncClient) -> str:
     project = (await client.post("/projects", json={"name": "owners"})).json()
     memory_id: str = (await client.post("/memories", json={"project_id": project["id"], "name": "notes"})).json()["id"]
@@ -72,7 +59,7 @@ async def test_a_memory_deleted_by_another_process_is_404_from_the_writer_and_th
 ) -> None:
     """The API still remembers the memory; the writer finds it gone, the answer is the same 404, and the API
     forgets it, so the next write is refused without the bus."""
-    async with own_api(settings) as (app, client):
+    async with open_api(settings) as (app, client):
         memory_id = await new_memory(client)
         assert (await write(client, memory_id, "The office is in Lisbon")).status_code == 201
         async with sessions.begin() as session:  # as another API process would
@@ -87,7 +74,7 @@ async def test_a_memory_deleted_by_another_process_is_404_from_the_writer_and_th
 
 
 async def test_deleting_a_memory_forgets_its_owner(settings: Settings, writers: list[Any]) -> None:
-    async with own_api(settings) as (app, client):
+    async with open_api(settings) as (app, client):
         memory_id = await new_memory(client)
         assert (await write(client, memory_id, "Invoices go out on Fridays")).status_code == 201
         assert memory_id in app.state.memory_owners

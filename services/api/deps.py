@@ -73,12 +73,9 @@ async def get_principal(request: Request, session: ReadSessionDep) -> Principal:
     if admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
         return Principal(is_admin=True)
     if token.startswith(iam.SECRET_PREFIX):
-        # Looked up on every request, never cached, so a revocation takes effect on the next one.
-        key = await repo.get_live_api_key(session, token)
+        key = await request.app.state.live_keys.lookup(session, token)
         if key is not None:
-            return Principal(
-                is_admin=False, project_id=key.project_id, actions=frozenset(key.actions), key_id=key.id
-            )
+            return Principal(is_admin=False, project_id=key.project_id, actions=key.actions, key_id=key.id)
     raise ApiError(401, "invalid token")
 
 

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 
 from services.api import errors
+from services.api.keys import LiveKeys
 from services.api.limits import BodySizeLimit
 from services.api.owners import MemoryOwners
 from services.api.routes import (
@@ -52,6 +53,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.nats = nc
         app.state.gateway = gateway
         app.state.memory_owners = MemoryOwners()
+        app.state.live_keys = LiveKeys(nc, settings.memories_api_key_cache_s)
+        await app.state.live_keys.start()
         freeze_long_lived_objects()
         try:
             yield

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 from pydantic import AfterValidator, BaseModel, Field
 
 from services.api.deps import AdminDep, SessionDep, resolve_project
@@ -93,8 +93,9 @@ async def list_api_keys(
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Revoke an API key at once")
-async def revoke_api_key(key_id: str, session: SessionDep, _admin: AdminDep) -> Response:
+async def revoke_api_key(key_id: str, request: Request, session: SessionDep, _admin: AdminDep) -> Response:
     if not (is_valid_id(key_id, API_KEY_PREFIX) and await repo.revoke_api_key(session, key_id)):
         raise not_found("api key", key_id)
     await session.commit()
+    await request.app.state.live_keys.revoked(key_id)  # every API process forgets it before this answer
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,89 @@
+"""Each API process remembers live API keys briefly; a revocation still takes effect at once, everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from sqlalchemy import func, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from services.api.keys import LiveKeys
+from shared import bus
+from shared.db.models import ApiKey
+from shared.settings import Settings
+from tests.conftest import open_api
+
+
+async def new_key(client: httpx.AsyncClient, project: dict[str, Any]) -> tuple[str, str]:
+    body = {"project_id": project["id"], "name": "cached", "actions": ["memories:*"]}
+    created = (await client.post("/api-keys", json=body)).json()
+    return created["id"], created["key"]
+
+
+async def list_with(client: httpx.AsyncClient, secret: str) -> int:
+    response = await client.get("/memories", headers={"Authorization": f"Bearer {secret}"})
+    return response.status_code
+
+
+async def revoke_behind_the_apis_back(sessions: async_sessionmaker[AsyncSession], key_id: str) -> None:
+    """As if a broadcast were lost: the row is revoked, no API process is told."""
+    async with sessions.begin() as session:
+        await session.execute(update(ApiKey).where(ApiKey.id == key_id).values(revoked_at=func.now()))
+
+
+async def test_a_key_revoked_through_one_api_process_is_refused_by_another(
+    settings: Settings, project: dict[str, Any]
+) -> None:
+    remembering = settings.model_copy(update={"memories_api_key_cache_s": 300.0})
+    async with open_api(remembering) as (first, first_client), open_api(remembering) as (second, second_client):
+        key_id, secret = await new_key(first_client, project)
+        assert await list_with(first_client, secret) == 200 and await list_with(second_client, secret) == 200
+        assert len(first.state.live_keys) == 1 and len(second.state.live_keys) == 1  # both remember it
+        assert (await first_client.delete(f"/api-keys/{key_id}")).status_code == 204
+        assert await list_with(first_client, secret) == 401  # forgotten before the revocation was answered
+        for _ in range(100):  # the broadcast arrives in milliseconds; nothing else would end the 300 s
+            if len(second.state.live_keys) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await list_with(second_client, secret) == 401
+
+
+async def test_a_remembered_key_is_read_again_after_the_cache_time(
+    settings: Settings, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async with open_api(settings.model_copy(update={"memories_api_key_cache_s": 0.5})) as (app, client):
+        key_id, secret = await new_key(client, project)
+        assert await list_with(client, secret) == 200
+        await revoke_behind_the_apis_back(sessions, key_id)
+        assert await list_with(client, secret) == 200  # remembered: the key was not read
+        await asyncio.sleep(0.6)
+        assert await list_with(client, secret) == 401
+        assert len(app.state.live_keys) == 0  # a secret that matches no live key is not kept
+
+
+async def test_without_a_cache_time_every_request_reads_the_key(
+    settings: Settings, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async with open_api(settings.model_copy(update={"memories_api_key_cache_s": 0.0})) as (app, client):
+        key_id, secret = await new_key(client, project)
+        assert await list_with(client, secret) == 200 and len(app.state.live_keys) == 0
+        await revoke_behind_the_apis_back(sessions, key_id)
+        assert await list_with(client, secret) == 401
+
+
+async def test_a_remembered_key_is_not_trusted_without_the_bus_that_would_carry_its_revocation(
+    settings: Settings, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    key_id, secret = await new_key(client, project)
+    assert settings.nats_url
+    nc = await bus.connect(settings.nats_url, name="live-keys-test")
+    keys = LiveKeys(nc, ttl_s=300.0)
+    async with sessions() as session:
+        remembered = await keys.lookup(session, secret)
+        assert remembered is not None and remembered.id == key_id and remembered.project_id == project["id"]
+        await revoke_behind_the_apis_back(sessions, key_id)
+        assert await keys.lookup(session, secret) == remembered  # connected: trusted
+        await nc.close()  # a revocation broadcast now could be missed
+        assert await keys.lookup(session, secret) is None
