@@ -87,3 +87,23 @@ async def test_a_remembered_key_is_not_trusted_without_the_bus_that_would_carry_
         assert await keys.lookup(session, secret) == remembered  # connected: trusted
         await nc.close()  # a revocation broadcast now could be missed
         assert await keys.lookup(session, secret) is None
+
+
+async def test_a_read_that_overlapped_a_revocation_is_not_remembered(
+    settings: Settings, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The read may have seen the row before the revocation committed: keeping it would serve a revoked key."""
+    key_id, secret = await new_key(client, project)
+    assert settings.nats_url
+    nc = await bus.connect(settings.nats_url, name="live-keys-race")
+    keys = LiveKeys(nc, ttl_s=300.0)
+    try:
+        async with sessions() as session:
+            reading = asyncio.create_task(keys.lookup(session, secret))
+            await asyncio.sleep(0)  # the lookup is now waiting on the database
+            keys.forget(key_id)  # a revocation arrives meanwhile
+            assert (await reading) is not None  # the read itself saw the key live
+            assert len(keys) == 0
+            assert await keys.lookup(session, secret) is not None and len(keys) == 1  # no overlap: kept
+    finally:
+        await nc.close()

@@ -49,6 +49,7 @@ class LiveKeys:
         self._ttl_s = ttl_s
         self._capacity = capacity
         self._by_hash: dict[str, _Remembered] = {}
+        self._forgotten = 0  # revocations seen: a read that overlapped one may predate it, so is not kept
 
     async def start(self) -> None:
         await self._nc.subscribe(bus.API_KEY_REVOKED_SUBJECT, cb=self._on_revoked)
@@ -58,12 +59,13 @@ class LiveKeys:
         remembered = self._by_hash.get(digest)
         if remembered is not None and self._trusts(remembered):
             return remembered.key
+        forgotten_before = self._forgotten
         row = await repo.get_live_api_key(session, digest)
         if row is None:
             self._by_hash.pop(digest, None)
             return None
         key = LiveKey(row.id, row.project_id, frozenset(row.actions))
-        if self._ttl_s > 0 and self._nc.is_connected:
+        if self._ttl_s > 0 and self._nc.is_connected and self._forgotten == forgotten_before:
             self._remember(digest, key)
         return key
 
@@ -79,6 +81,7 @@ class LiveKeys:
                         key_id, self._ttl_s, exc)
 
     def forget(self, key_id: str) -> None:
+        self._forgotten += 1
         for digest in [d for d, r in self._by_hash.items() if r.key.id == key_id]:
             del self._by_hash[digest]
 
