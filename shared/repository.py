@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import string
 from collections.abc import Iterable, Sequence
@@ -390,6 +391,10 @@ class HistoryRecord:
     content_after: str | None = None
 
 
+_FIELDS = {record: [field.name for field in fields(record)] for record in (OutcomeRecord, HistoryRecord)}
+"""Each record's columns, in the order its statement and its JSON rows share."""
+
+
 def _json_rows(name: str, table: Table, keys: Sequence[str]) -> Any:
     """The rows of a JSON array parameter as a table with the columns' own types (`json_to_recordset`)."""
     columns = [column(key, table.c[key].type) for key in keys]
@@ -399,7 +404,7 @@ def _json_rows(name: str, table: Table, keys: Sequence[str]) -> Any:
 
 
 def _insert_json_rows(table: Table, record: type, name: str) -> Any:
-    keys = [field.name for field in fields(record)]
+    keys = _FIELDS[record]
     rows = _json_rows(name, table, keys)
     return insert(table).from_select(keys, select(*(rows.c[key] for key in keys)))
 
@@ -407,7 +412,7 @@ def _insert_json_rows(table: Table, record: type, name: str) -> Any:
 _UPSERT_OUTCOMES = _insert_json_rows(WriteOutcome.__table__, OutcomeRecord, "outcomes")
 _UPSERT_OUTCOMES = _UPSERT_OUTCOMES.on_conflict_do_update(
     index_elements=[WriteOutcome.write_id],
-    set_={f.name: _UPSERT_OUTCOMES.excluded[f.name] for f in fields(OutcomeRecord) if f.name != "write_id"}
+    set_={name: _UPSERT_OUTCOMES.excluded[name] for name in _FIELDS[OutcomeRecord] if name != "write_id"}
     | {"updated_at": func.now()},
 )
 # Outcomes and audit records in one statement, whatever their number: one round trip, and the rows travel as
@@ -420,16 +425,22 @@ _SAVE_RECORDS = _insert_json_rows(EntryHistory.__table__, HistoryRecord, "histor
 async def save_records(
     session: AsyncSession, outcomes: Sequence[OutcomeRecord], history: Sequence[HistoryRecord]
 ) -> None:
-    """Insert or overwrite the writes' outcomes (a pending claim may exist) and append audit records. A
-    write id appears at most once in `outcomes`."""
-    if outcomes or history:
+    """Insert or overwrite the writes' outcomes (a pending claim may exist) and append audit records."""
+    # One statement cannot upsert a row twice: of a write id's records, the last is stored.
+    latest = {record.write_id: record for record in outcomes}
+    if latest or history:
         await session.execute(
-            _SAVE_RECORDS, {"outcomes": [_plain(r) for r in outcomes], "history": [_plain(r) for r in history]}
+            _SAVE_RECORDS,
+            {"outcomes": [_plain(r) for r in latest.values()], "history": [_plain(r) for r in history]},
         )
 
 
 def _plain(record: OutcomeRecord | HistoryRecord) -> dict[str, Any]:
-    return {field: getattr(record, field) for field in record.__slots__}  # a slotted dataclass's fields
+    values = {name: getattr(record, name) for name in _FIELDS[type(record)]}
+    # JSON has no NaN or infinity (PostgreSQL refuses the document): a score that is not a number is none.
+    if isinstance(score := values["score"], float) and not math.isfinite(score):
+        values["score"] = None
+    return values
 
 
 async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistory]:

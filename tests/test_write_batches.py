@@ -8,6 +8,7 @@ import asyncio
 import random
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -260,12 +261,14 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
         await repo.claim_write_id(session, claimed, project_id, memory_id)  # a pending claim to overwrite
     outcomes = [
         repo.OutcomeRecord(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
+        repo.OutcomeRecord(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
         repo.OutcomeRecord(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
     ]
     history = [
         repo.HistoryRecord(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
                            candidate_ids=["ent_a", "ent_b"], content_after="line\nbreak"),
         repo.HistoryRecord(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
+        repo.HistoryRecord(project_id, memory_id, "ent_d", "created", score=float("nan")),  # JSON has no NaN
     ]
     async with sessions.begin() as session:
         await repo.save_records(session, outcomes, history)
@@ -274,5 +277,9 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
         audit = list(await session.scalars(
             select(EntryHistory).where(EntryHistory.memory_id == memory_id).order_by(EntryHistory.id)
         ))
-    assert [repo.OutcomeRecord(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in outcomes] == outcomes
-    assert [repo.HistoryRecord(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == history
+    expected = [outcomes[0], outcomes[2]]  # of a write id's records, the last is stored
+    assert [repo.OutcomeRecord(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
+    assert len(stored) == 2
+    assert [repo.HistoryRecord(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
+        *history[:2], replace(history[2], score=None)
+    ]

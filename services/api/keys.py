@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
@@ -29,44 +30,50 @@ class LiveKey:
 @dataclass(frozen=True, slots=True)
 class _Remembered:
     key: LiveKey
-    expires_at: float  # time.monotonic()
-    reconnects: int  # the NATS connection's reconnect count when it was remembered
+    expires_at: float  # on the LiveKeys clock
+    reconnects: int  # the NATS connection's reconnect count before the key was read
 
 
 class LiveKeys:
     """Unrevoked keys by secret hash, each for at most `ttl_s` seconds.
 
     Reading the key was half of the API's CPU for a write (measured in docs/benchmarks.md). A revocation
-    still takes effect at once: the revoking process forgets the key before it answers, and broadcasts the
-    revocation over core NATS to the other API processes, which forget it as it arrives (milliseconds). A
-    broadcast can be missed only while a process's NATS connection is down, so a remembered key is trusted
-    only while the connection is up and has not reconnected since; `ttl_s` bounds anything else (0: read
-    the key on every request). Secrets that match no live key are never remembered.
+    still takes effect at once in the process that revokes (it forgets the key before it answers), and
+    within milliseconds in the others: it is broadcast over core NATS and each forgets the key as it
+    arrives. A remembered key is trusted only while the process's NATS connection is up and has not
+    reconnected since the key was read, so a broadcast missed while disconnected cannot keep a revoked key
+    alive; `ttl_s` bounds every other way to miss one (a lost message, a crash between the commit and the
+    broadcast, a half-open connection not yet noticed). 0 reads the key on every request. Secrets that
+    match no live key are never remembered.
     """
 
-    def __init__(self, nc: NatsClient, ttl_s: float, capacity: int = 10_000) -> None:
+    def __init__(
+        self, nc: NatsClient, ttl_s: float, capacity: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._nc = nc
         self._ttl_s = ttl_s
         self._capacity = capacity
+        self._clock = clock
         self._by_hash: dict[str, _Remembered] = {}
         self._forgotten = 0  # revocations seen: a read that overlapped one may predate it, so is not kept
 
     async def start(self) -> None:
-        await self._nc.subscribe(bus.API_KEY_REVOKED_SUBJECT, cb=self._on_revoked)
+        await self._nc.subscribe(bus.API_KEY_REVOKED_SUBJECT, cb=self.on_revoked)
 
     async def lookup(self, session: AsyncSession, secret: str) -> LiveKey | None:
         digest = iam.secret_hash(secret)
         remembered = self._by_hash.get(digest)
         if remembered is not None and self._trusts(remembered):
             return remembered.key
-        forgotten_before = self._forgotten
+        forgotten, reconnects = self._forgotten, self._reconnects()
         row = await repo.get_live_api_key(session, digest)
         if row is None:
             self._by_hash.pop(digest, None)
             return None
         key = LiveKey(row.id, row.project_id, frozenset(row.actions))
-        if self._ttl_s > 0 and self._nc.is_connected and self._forgotten == forgotten_before:
-            self._remember(digest, key)
+        # Kept only if no revocation could have been missed while it was read.
+        if self._ttl_s > 0 and self._nc.is_connected and (forgotten, reconnects) == (self._forgotten, self._reconnects()):
+            self._remember(digest, _Remembered(key, self._clock() + self._ttl_s, reconnects))
         return key
 
     async def revoked(self, key_id: str) -> None:
@@ -76,35 +83,45 @@ class LiveKeys:
         try:
             await self._nc.publish(bus.API_KEY_REVOKED_SUBJECT, event.model_dump_json().encode())
             await self._nc.flush(timeout=2)
-        except Exception as exc:  # noqa: BLE001 - the revocation is committed; the answer must not fail now
-            log.warning("could not broadcast the revocation of %s; other API processes forget it within %s s: %s",
-                        key_id, self._ttl_s, exc)
+        except Exception:  # the revocation is committed; its answer must not fail now
+            log.exception("could not broadcast the revocation of %s: other API processes may accept it for up to "
+                          "%s s", key_id, self._ttl_s)
 
     def forget(self, key_id: str) -> None:
         self._forgotten += 1
         for digest in [d for d, r in self._by_hash.items() if r.key.id == key_id]:
             del self._by_hash[digest]
 
-    def __len__(self) -> int:
-        return len(self._by_hash)
-
-    def _trusts(self, remembered: _Remembered) -> bool:
-        return (
-            time.monotonic() < remembered.expires_at
-            and self._nc.is_connected
-            and self._nc.stats["reconnects"] == remembered.reconnects
-        )
-
-    def _remember(self, digest: str, key: LiveKey) -> None:
-        if digest not in self._by_hash and len(self._by_hash) >= self._capacity:
-            del self._by_hash[next(iter(self._by_hash))]  # the oldest: a dict keeps insertion order
-        expires_at = time.monotonic() + self._ttl_s
-        self._by_hash[digest] = _Remembered(key, expires_at, self._nc.stats["reconnects"])
-
-    async def _on_revoked(self, message: Msg) -> None:
+    async def on_revoked(self, message: Msg) -> None:
         try:
             event = ApiKeyRevoked.model_validate_json(message.data)
         except ValidationError as exc:
-            log.warning("ignoring a malformed key revocation: %s", exc.errors()[:3])
+            # Some revocation, unreadable (another version of the service?): forget every key, not none.
+            log.warning("unreadable key revocation, forgetting every key: %s", exc.errors()[:3])
+            self._forgotten += 1
+            self._by_hash.clear()
             return
         self.forget(event.key_id)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def _reconnects(self) -> int:
+        return int(self._nc.stats["reconnects"])
+
+    def _trusts(self, remembered: _Remembered) -> bool:
+        return (
+            self._clock() < remembered.expires_at
+            and self._nc.is_connected
+            and self._reconnects() == remembered.reconnects
+        )
+
+    def _remember(self, digest: str, remembered: _Remembered) -> None:
+        self._by_hash.pop(digest, None)  # re-inserted last: the newest
+        if len(self._by_hash) >= self._capacity:
+            now = self._clock()
+            for stale in [d for d, r in self._by_hash.items() if r.expires_at <= now]:
+                del self._by_hash[stale]
+        if len(self._by_hash) >= self._capacity:
+            del self._by_hash[next(iter(self._by_hash))]  # the oldest: a dict keeps insertion order
+        self._by_hash[digest] = remembered

@@ -138,7 +138,7 @@ async def scenarios(base: str, args: argparse.Namespace, pids: dict[str, int]) -
         ]
         hammered = (await client.post("/memories", json={"project_id": project, "name": "one"})).json()["id"]
         token = TOKEN
-        if args.api_key:  # what a client holds: a project key, looked up on every request (revocation is immediate)
+        if args.api_key:  # what a client holds: a project key (each API process remembers it briefly)
             body = {"project_id": project, "name": "bench", "actions": ["memories:CreateMemoryEntry"]}
             token = (await client.post("/api-keys", json=body)).json()["key"]
         texts = facts(args.writes, seed=1)
