@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,19 @@ from shared.events import ApiKeyRevoked
 from shared.ids import new_id
 
 log = logging.getLogger("memories.api")
+
+REVOCATION_QUIET_S = 0.05
+"""How long a revocation waits, after the last API process said it forgot the key, for another one to."""
+REVOCATION_WAIT_S = 2.0
+
+
+async def _until_quiet(replies: asyncio.Queue[Msg]) -> None:
+    deadline = asyncio.get_running_loop().time() + REVOCATION_WAIT_S
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        try:
+            await asyncio.wait_for(replies.get(), min(REVOCATION_QUIET_S, left))
+        except TimeoutError:
+            return
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +52,8 @@ class LiveKeys:
     """Unrevoked keys by secret hash, each for at most `ttl_s` seconds.
 
     Reading the key was half of the API's CPU for a write (measured in docs/benchmarks.md). A revocation
-    still takes effect at once in the process that revokes (it forgets the key before it answers), and
-    within milliseconds in the others: it is broadcast over core NATS and each forgets the key as it
-    arrives. A remembered key is trusted only while the process's NATS connection is up and has not
+    still takes effect at once: it is broadcast over core NATS, each API process forgets the key and says
+    so, and the revoking request is answered once they have. A remembered key is trusted only while the process's NATS connection is up and has not
     reconnected since the key was read, so a broadcast missed while disconnected cannot keep a revoked key
     alive; `ttl_s` bounds every other way to miss one (a lost message, a crash between the commit and the
     broadcast, a half-open connection not yet noticed). 0 reads the key on every request. Secrets that
@@ -77,12 +90,20 @@ class LiveKeys:
         return key
 
     async def revoked(self, key_id: str) -> None:
-        """After the revocation committed: forget the key here, then tell the other API processes."""
+        """After the revocation committed: forget the key here, tell the other API processes, and return once
+        they have said they forgot it (replies are collected until REVOCATION_QUIET_S passes without one, at
+        most REVOCATION_WAIT_S), so the next request anywhere is refused."""
         self.forget(key_id)
         event = ApiKeyRevoked(event_id=new_id("evt_"), key_id=key_id)
+        replies: asyncio.Queue[Msg] = asyncio.Queue()
         try:
-            await self._nc.publish(bus.API_KEY_REVOKED_SUBJECT, event.model_dump_json().encode())
-            await self._nc.flush(timeout=2)
+            inbox = self._nc.new_inbox()
+            subscription = await self._nc.subscribe(inbox, cb=replies.put)
+            try:
+                await self._nc.publish(bus.API_KEY_REVOKED_SUBJECT, event.model_dump_json().encode(), reply=inbox)
+                await _until_quiet(replies)
+            finally:
+                await subscription.unsubscribe()
         except Exception:  # the revocation is committed; its answer must not fail now
             log.exception("could not broadcast the revocation of %s: other API processes may accept it for up to "
                           "%s s", key_id, self._ttl_s)
@@ -100,8 +121,10 @@ class LiveKeys:
             log.warning("unreadable key revocation, forgetting every key: %s", exc.errors()[:3])
             self._forgotten += 1
             self._by_hash.clear()
-            return
-        self.forget(event.key_id)
+        else:
+            self.forget(event.key_id)
+        if message.reply:
+            await self._nc.publish(message.reply, b"")
 
     def __len__(self) -> int:
         return len(self._by_hash)

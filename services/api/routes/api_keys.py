@@ -97,5 +97,5 @@ async def revoke_api_key(key_id: str, request: Request, session: SessionDep, _ad
     if not (is_valid_id(key_id, API_KEY_PREFIX) and await repo.revoke_api_key(session, key_id)):
         raise not_found("api key", key_id)
     await session.commit()
-    await request.app.state.live_keys.revoked(key_id)  # forgotten here now, by the other API processes in ms
+    await request.app.state.live_keys.revoked(key_id)  # answered once the API processes forgot it
     return Response(status_code=status.HTTP_204_NO_CONTENT)
