@@ -99,7 +99,10 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
     "apiKeyRevocations": (
         bus.API_KEY_REVOKED_SUBJECT,
         ApiKeyRevoked,
-        "Core NATS. A key was revoked: every API process forgets it at once (they remember live keys briefly).",
+        (
+            "Core NATS. A key was revoked: every API process forgets it (they remember live keys briefly) and "
+            "answers the message's reply subject with an empty message; the revoking request waits for those."
+        ),
         {},
         "send",
         "api (and every api process receives it)",
