@@ -15,13 +15,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any
 
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import registry
 from shared import repository as repo
 from shared.batching import Coalescer
-from shared.db.models import Memory, MemoryEntry, WriteOutcome
+from shared.db.models import MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
 from shared.embeddings import EmbeddingError
 from shared.events import (
@@ -52,7 +54,11 @@ class AppliedWrite:
     rejected: str | None = None  # why the event must be dead-lettered (it names another project's memory)
 
 
-def outcome_of(record: WriteOutcome | OutcomeRecord) -> MemoryWriteOutcome:
+StoredOutcome = WriteOutcome | OutcomeRecord | Row[Any]
+"""A write's record: an ORM object, a plain record or a row, all with the columns as attributes."""
+
+
+def outcome_of(record: StoredOutcome) -> MemoryWriteOutcome:
     error = None
     if record.status == "failed":
         code = record.error_code or "INTERNAL_ERROR"
@@ -221,8 +227,8 @@ class WriteApplier:
         event: MemoryWriteRequested,
         digest: str,
         embedding: list[float] | None,
-        stored: WriteOutcome | None,
-        memory: Memory | None,
+        stored: StoredOutcome | None,
+        memory: Row[Any] | None,
         copies: ExactCopies,
     ) -> Decided:
         """Decide one write and carry it out; the caller holds the memory's lock and stores the records."""
@@ -389,7 +395,7 @@ class Decided:
         return replace(self, applied=replace(self.applied, outcome=outcome.model_copy(update={"entry": state})))
 
 
-def _failure(event: MemoryWriteRequested, stored: WriteOutcome | None, code: str, message: str) -> Decided:
+def _failure(event: MemoryWriteRequested, stored: StoredOutcome | None, code: str, message: str) -> Decided:
     record = OutcomeRecord(
         write_id=event.write_id,
         project_id=event.project_id,
