@@ -364,7 +364,7 @@ async def release_write_claim(session: AsyncSession, write_id: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class OutcomeRecord:
+class OutcomeRow:
     """A write's outcome as the writer stores it, the write id's idempotency record. Plain data: building
     each as an ORM object cost more CPU than storing it."""
 
@@ -381,8 +381,8 @@ class OutcomeRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class HistoryRecord:
-    """One audit record of `entry_history`, as stored (plain data, like OutcomeRecord)."""
+class HistoryRow:
+    """One audit record of `entry_history`, as stored (plain data, like OutcomeRow)."""
 
     project_id: str
     memory_id: str
@@ -399,7 +399,7 @@ class HistoryRecord:
     content_after: str | None = None
 
 
-_FIELDS = {record: [field.name for field in fields(record)] for record in (OutcomeRecord, HistoryRecord)}
+_FIELDS = {record: [field.name for field in fields(record)] for record in (OutcomeRow, HistoryRow)}
 """Each record's columns, in the order its statement and its JSON rows share."""
 
 
@@ -417,21 +417,21 @@ def _insert_json_rows(table: Table, record: type, name: str) -> Any:
     return insert(table).from_select(keys, select(*(rows.c[key] for key in keys)))
 
 
-_UPSERT_OUTCOMES = _insert_json_rows(WriteOutcome.__table__, OutcomeRecord, "outcomes")
+_UPSERT_OUTCOMES = _insert_json_rows(WriteOutcome.__table__, OutcomeRow, "outcomes")
 _UPSERT_OUTCOMES = _UPSERT_OUTCOMES.on_conflict_do_update(
     index_elements=[WriteOutcome.write_id],
-    set_={name: _UPSERT_OUTCOMES.excluded[name] for name in _FIELDS[OutcomeRecord] if name != "write_id"}
+    set_={name: _UPSERT_OUTCOMES.excluded[name] for name in _FIELDS[OutcomeRow] if name != "write_id"}
     | {"updated_at": func.now()},
 )
 # Outcomes and audit records in one statement, whatever their number: one round trip, and the rows travel as
 # one JSON parameter each instead of one bound row each (a third of the CPU for a batch of four writes).
-_SAVE_RECORDS = _insert_json_rows(EntryHistory.__table__, HistoryRecord, "history").add_cte(
+_SAVE_RECORDS = _insert_json_rows(EntryHistory.__table__, HistoryRow, "history").add_cte(
     _UPSERT_OUTCOMES.cte("saved_outcomes")
 )
 
 
 async def save_records(
-    session: AsyncSession, outcomes: Sequence[OutcomeRecord], history: Sequence[HistoryRecord]
+    session: AsyncSession, outcomes: Sequence[OutcomeRow], history: Sequence[HistoryRow]
 ) -> None:
     """Insert or overwrite the writes' outcomes (a pending claim may exist) and append audit records."""
     # One statement cannot upsert a row twice: of a write id's records, the last is stored.
@@ -443,7 +443,7 @@ async def save_records(
         )
 
 
-def _plain(record: OutcomeRecord | HistoryRecord) -> dict[str, Any]:
+def _plain(record: OutcomeRow | HistoryRow) -> dict[str, Any]:
     values = {name: getattr(record, name) for name in _FIELDS[type(record)]}
     # JSON has no NaN or infinity (PostgreSQL refuses the document): a score that is not a number is none.
     if isinstance(score := values["score"], float) and not math.isfinite(score):

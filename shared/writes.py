@@ -38,7 +38,7 @@ from shared.events import (
 )
 from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
-from shared.repository import HistoryRecord, OutcomeRecord
+from shared.repository import HistoryRow, OutcomeRow
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
@@ -54,7 +54,7 @@ class AppliedWrite:
     rejected: str | None = None  # why the event must be dead-lettered (it names another project's memory)
 
 
-StoredOutcome = WriteOutcome | OutcomeRecord | Row[Any]
+StoredOutcome = WriteOutcome | OutcomeRow | Row[Any]
 """A write's record: an ORM object, a plain record or a row, all with the columns as attributes."""
 
 
@@ -261,7 +261,7 @@ class WriteApplier:
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
         copies.record(event.memory_id, decision, entry)
-        record = OutcomeRecord(
+        record = OutcomeRow(
             write_id=event.write_id,
             project_id=event.project_id,
             memory_id=event.memory_id,
@@ -384,8 +384,8 @@ class Decided:
     """One write decided inside a transaction: its result and the records to store with it."""
 
     applied: AppliedWrite
-    record: OutcomeRecord | None = None  # None for a replay: its record is stored already
-    history: HistoryRecord | None = None
+    record: OutcomeRow | None = None  # None for a replay: its record is stored already
+    history: HistoryRow | None = None
 
     def with_entry(self, states: dict[str, EntryState]) -> Decided:
         outcome = self.applied.outcome
@@ -396,7 +396,7 @@ class Decided:
 
 
 def _failure(event: MemoryWriteRequested, stored: StoredOutcome | None, code: str, message: str) -> Decided:
-    record = OutcomeRecord(
+    record = OutcomeRow(
         write_id=event.write_id,
         project_id=event.project_id,
         memory_id=event.memory_id,
@@ -414,14 +414,14 @@ def _history(
     entry: Written,
     nearest: list[Candidate],
     model_steps: ModelSteps | None,
-) -> HistoryRecord:
+) -> HistoryRow:
     target = decision.target
     asked_model = decision.rule.startswith(("arbitrated", "merged"))
     prompt_version = None
     if asked_model:
         prompt_version = ARBITRATION_PROMPT_VERSION if decision.rule.startswith("arbitrated") else MERGE_PROMPT_VERSION
     changed_text = decision.action is WriteAction.UPDATED
-    return HistoryRecord(
+    return HistoryRow(
         write_id=event.write_id,
         project_id=event.project_id,
         memory_id=event.memory_id,

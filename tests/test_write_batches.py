@@ -248,7 +248,7 @@ async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
 def test_the_stored_records_name_every_column_the_writer_sets() -> None:
     """A column added to a table must be added to its record, or every write would store it empty."""
     set_by_server = {"id", "created_at", "updated_at"}
-    for record, table in ((repo.OutcomeRecord, WriteOutcome.__table__), (repo.HistoryRecord, EntryHistory.__table__)):
+    for record, table in ((repo.OutcomeRow, WriteOutcome.__table__), (repo.HistoryRow, EntryHistory.__table__)):
         assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server
 
 
@@ -260,15 +260,15 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
     async with sessions.begin() as session:
         await repo.claim_write_id(session, claimed, project_id, memory_id)  # a pending claim to overwrite
     outcomes = [
-        repo.OutcomeRecord(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
-        repo.OutcomeRecord(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
-        repo.OutcomeRecord(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
+        repo.OutcomeRow(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
+        repo.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
+        repo.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
     ]
     history = [
-        repo.HistoryRecord(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
+        repo.HistoryRow(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
                            candidate_ids=["ent_a", "ent_b"], content_after="line\nbreak"),
-        repo.HistoryRecord(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
-        repo.HistoryRecord(project_id, memory_id, "ent_d", "created", score=float("nan")),  # JSON has no NaN
+        repo.HistoryRow(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
+        repo.HistoryRow(project_id, memory_id, "ent_d", "created", score=float("nan")),  # JSON has no NaN
     ]
     async with sessions.begin() as session:
         await repo.save_records(session, outcomes, history)
@@ -278,8 +278,8 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
             select(EntryHistory).where(EntryHistory.memory_id == memory_id).order_by(EntryHistory.id)
         ))
     expected = [outcomes[0], outcomes[2]]  # of a write id's records, the last is stored
-    assert [repo.OutcomeRecord(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
+    assert [repo.OutcomeRow(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
     assert len(stored) == 2
-    assert [repo.HistoryRecord(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
+    assert [repo.HistoryRow(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
         *history[:2], replace(history[2], score=None)
     ]

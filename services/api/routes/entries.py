@@ -27,7 +27,7 @@ from shared.events import (
 )
 from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
-from shared.repository import HistoryRecord
+from shared.repository import HistoryRow
 from shared.write_gateway import BusUnavailable
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
@@ -217,8 +217,8 @@ async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind)
     await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
 
 
-def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> HistoryRecord:
-    return HistoryRecord(
+def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> HistoryRow:
+    return HistoryRow(
         project_id=entry.project_id,
         memory_id=entry.memory_id,
         entry_id=entry.id,
