@@ -53,11 +53,11 @@ class LiveKeys:
 
     Reading the key was half of the API's CPU for a write (measured in docs/benchmarks.md). A revocation
     still takes effect at once: it is broadcast over core NATS, each API process forgets the key and says
-    so, and the revoking request is answered once they have. A remembered key is trusted only while the process's NATS connection is up and has not
-    reconnected since the key was read, so a broadcast missed while disconnected cannot keep a revoked key
-    alive; `ttl_s` bounds every other way to miss one (a lost message, a crash between the commit and the
-    broadcast, a half-open connection not yet noticed). 0 reads the key on every request. Secrets that
-    match no live key are never remembered.
+    so, and the revoking request is answered once they have. A remembered key is trusted only while the
+    process's NATS connection is up and has not reconnected since the key was read, so a broadcast missed
+    while disconnected cannot keep a revoked key alive; `ttl_s` bounds every other way to miss one (a lost
+    message, a crash between the commit and the broadcast, a half-open connection not yet noticed). 0 reads
+    the key on every request. Secrets that match no live key are never remembered.
     """
 
     def __init__(
@@ -78,15 +78,15 @@ class LiveKeys:
         remembered = self._by_hash.get(digest)
         if remembered is not None and self._trusts(remembered):
             return remembered.key
-        forgotten, reconnects = self._forgotten, self._reconnects()
+        before = self._revocations_seen()
         row = await repo.get_live_api_key(session, digest)
         if row is None:
             self._by_hash.pop(digest, None)
             return None
         key = LiveKey(row.id, row.project_id, frozenset(row.actions))
         # Kept only if no revocation could have been missed while it was read.
-        if self._ttl_s > 0 and self._nc.is_connected and (forgotten, reconnects) == (self._forgotten, self._reconnects()):
-            self._remember(digest, _Remembered(key, self._clock() + self._ttl_s, reconnects))
+        if self._ttl_s > 0 and self._nc.is_connected and self._revocations_seen() == before:
+            self._remember(digest, _Remembered(key, self._clock() + self._ttl_s, reconnects=before[1]))
         return key
 
     async def revoked(self, key_id: str) -> None:
@@ -108,35 +108,35 @@ class LiveKeys:
             log.exception("could not broadcast the revocation of %s: other API processes may accept it for up to "
                           "%s s", key_id, self._ttl_s)
 
-    def forget(self, key_id: str) -> None:
+    def forget(self, key_id: str | None) -> None:
+        """Forget a key, or every key (None)."""
         self._forgotten += 1
-        for digest in [d for d, r in self._by_hash.items() if r.key.id == key_id]:
+        for digest in [d for d, r in self._by_hash.items() if key_id is None or r.key.id == key_id]:
             del self._by_hash[digest]
 
     async def on_revoked(self, message: Msg) -> None:
         try:
-            event = ApiKeyRevoked.model_validate_json(message.data)
+            key_id: str | None = ApiKeyRevoked.model_validate_json(message.data).key_id
         except ValidationError as exc:
             # Some revocation, unreadable (another version of the service?): forget every key, not none.
             log.warning("unreadable key revocation, forgetting every key: %s", exc.errors()[:3])
-            self._forgotten += 1
-            self._by_hash.clear()
-        else:
-            self.forget(event.key_id)
+            key_id = None
+        self.forget(key_id)
         if message.reply:
             await self._nc.publish(message.reply, b"")
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def _reconnects(self) -> int:
-        return int(self._nc.stats["reconnects"])
+    def _revocations_seen(self) -> tuple[int, int]:
+        """(revocations received, NATS reconnects): when either moves, a revocation may have been missed."""
+        return self._forgotten, int(self._nc.stats["reconnects"])
 
     def _trusts(self, remembered: _Remembered) -> bool:
         return (
             self._clock() < remembered.expires_at
             and self._nc.is_connected
-            and self._reconnects() == remembered.reconnects
+            and int(self._nc.stats["reconnects"]) == remembered.reconnects
         )
 
     def _remember(self, digest: str, remembered: _Remembered) -> None:
