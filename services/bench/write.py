@@ -98,7 +98,7 @@ class RawConnection:
 
 
 async def drive(
-    base: str, name: str, writes: list[tuple[str, str]], clients: int, pids: dict[str, int], token: str = TOKEN
+    base: str, name: str, writes: list[tuple[str, str]], clients: int, pids: dict[str, int], token: str
 ) -> Run:
     host, port = base.removeprefix("http://").split(":")
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -143,13 +143,15 @@ async def scenarios(base: str, args: argparse.Namespace, pids: dict[str, int]) -
             token = (await client.post("/api-keys", json=body)).json()["key"]
         texts = facts(args.writes, seed=1)
         spread = [(memories[i % len(memories)], text) for i, text in enumerate(texts)]
-    await drive(base, "warm-up", [(memories[0], "warm up the writer and the API")] * 4, 4, pids, token)
-    runs = [await drive(base, "created, many memories", spread, args.clients, pids, token)]
-    runs.append(await drive(base, "exact copies", spread, args.clients, pids, token))
-    runs.append(await drive(base, "near-copies", [(m, near_copy(t)) for m, t in spread], args.clients, pids, token))
+    async def run(name: str, writes: list[tuple[str, str]], clients: int = args.clients) -> Run:
+        return await drive(base, name, writes, clients, pids, token)
+
+    await run("warm-up", [(memories[0], "warm up the writer and the API")] * 4, clients=4)
+    runs = [await run("created, many memories", spread)]
+    runs.append(await run("exact copies", spread))
+    runs.append(await run("near-copies", [(m, near_copy(t)) for m, t in spread]))
     one = [(hammered, text) for text in facts(args.writes // 2, seed=2)]
-    name = f"{args.one_memory_clients} clients, one memory"
-    runs.append(await drive(base, name, one, args.one_memory_clients, pids, token))
+    runs.append(await run(f"{args.one_memory_clients} clients, one memory", one, args.one_memory_clients))
     return runs
 
 
