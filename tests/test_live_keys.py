@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import nats
+import pytest_asyncio
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from sqlalchemy import func, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -35,6 +39,24 @@ async def revoke_behind_the_apis_back(sessions: async_sessionmaker[AsyncSession]
         await session.execute(update(ApiKey).where(ApiKey.id == key_id).values(revoked_at=func.now()))
 
 
+@pytest_asyncio.fixture
+async def keys_bus(settings: Settings) -> AsyncIterator[NatsClient]:
+    """A connection of its own to the real bus, which hears none of its own messages (as if the other API
+    processes were elsewhere)."""
+    assert settings.nats_url
+    nc = await nats.connect(settings.nats_url, no_echo=True)
+    yield nc
+    if not nc.is_closed:
+        await nc.close()
+
+
+@pytest_asyncio.fixture
+async def keys(keys_bus: NatsClient) -> LiveKeys:
+    live = LiveKeys(keys_bus, ttl_s=300.0)
+    await live.start()
+    return live
+
+
 async def test_a_key_revoked_through_one_api_process_is_refused_by_another(
     settings: Settings, project: dict[str, Any]
 ) -> None:
@@ -60,61 +82,72 @@ async def test_without_a_cache_time_every_request_reads_the_key(
 
 
 async def test_a_remembered_key_is_not_trusted_without_the_bus_that_would_carry_its_revocation(
-    settings: Settings, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+    keys: LiveKeys, keys_bus: NatsClient, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     key_id, secret = await new_key(client, project)
-    assert settings.nats_url
-    nc = await bus.connect(settings.nats_url, name="live-keys-test")
-    keys = LiveKeys(nc, ttl_s=300.0)
     async with sessions() as session:
         remembered = await keys.lookup(session, secret)
         assert remembered is not None and remembered.id == key_id and remembered.project_id == project["id"]
         await revoke_behind_the_apis_back(sessions, key_id)
         assert await keys.lookup(session, secret) == remembered  # connected: trusted
-        await nc.close()  # a revocation broadcast now could be missed
+        await keys_bus.close()  # a revocation broadcast now could be missed
         assert await keys.lookup(session, secret) is None
 
 
 async def test_a_read_that_overlapped_a_revocation_is_not_remembered(
-    settings: Settings, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+    keys: LiveKeys, client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     """The read may have seen the row before the revocation committed: keeping it would serve a revoked key."""
     key_id, secret = await new_key(client, project)
+    async with sessions() as session:
+        reading = asyncio.create_task(keys.lookup(session, secret))
+        await asyncio.sleep(0)  # the lookup is now waiting on the database
+        keys.forget(key_id)  # a revocation arrives meanwhile
+        assert (await reading) is not None  # the read itself saw the key live
+        assert len(keys) == 0
+        assert await keys.lookup(session, secret) is not None and len(keys) == 1  # no overlap: kept
+
+
+async def test_revoking_forgets_here_broadcasts_and_an_unreadable_broadcast_forgets_all(
+    keys: LiveKeys,
+    settings: Settings,
+    client: httpx.AsyncClient,
+    project: dict[str, Any],
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
     assert settings.nats_url
-    nc = await bus.connect(settings.nats_url, name="live-keys-race")
-    keys = LiveKeys(nc, ttl_s=300.0)
+    other = await nats.connect(settings.nats_url, no_echo=True)  # another API process, as the bus sees it
+    heard: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def forget_and_say_so(message: Msg) -> None:
+        await heard.put(message.data)
+        await message.respond(b"")
+
     try:
+        await other.subscribe(bus.API_KEY_REVOKED_SUBJECT, cb=forget_and_say_so)
+        await other.flush()
+        first_id, first = await new_key(client, project)
+        _, second = await new_key(client, project)
         async with sessions() as session:
-            reading = asyncio.create_task(keys.lookup(session, secret))
-            await asyncio.sleep(0)  # the lookup is now waiting on the database
-            keys.forget(key_id)  # a revocation arrives meanwhile
-            assert (await reading) is not None  # the read itself saw the key live
-            assert len(keys) == 0
-            assert await keys.lookup(session, secret) is not None and len(keys) == 1  # no overlap: kept
+            assert await keys.lookup(session, first) is not None and await keys.lookup(session, second) is not None
+        assert len(keys) == 2
+        await keys.revoked(first_id)  # its own broadcast does not come back: only the local forget removes it
+        assert len(keys) == 1
+        assert ApiKeyRevoked.model_validate_json(heard.get_nowait()).key_id == first_id  # heard before answered
+        # Another version's revocation, unreadable here: every key is forgotten, and the sender told so.
+        await other.request(bus.API_KEY_REVOKED_SUBJECT, b'{"key_id": "key_x", "version": 2}', timeout=5)
+        assert len(keys) == 0
     finally:
-        await nc.close()
+        await other.close()
 
 
 class BusState:
-    """Stands in for the NATS client where a test needs a connection state it cannot bring about on demand
-    (a reconnect), and sees what would be broadcast; the tests above use the real bus."""
+    """Stands in for the NATS client's connection state where a test needs one it cannot bring about on
+    demand (a reconnect); the other tests use the real bus."""
 
     def __init__(self) -> None:
         self.is_connected = True
         self.stats = {"reconnects": 0}
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, data: bytes, reply: str = "") -> None:
-        self.published.append((subject, data))
-
-    def new_inbox(self) -> str:
-        return "_INBOX.test"
-
-    async def subscribe(self, subject: str, cb: Any) -> SimpleNamespace:
-        async def unsubscribe() -> None:
-            return None
-
-        return SimpleNamespace(unsubscribe=unsubscribe)
 
 
 class Clock:
@@ -150,23 +183,3 @@ async def test_a_remembered_key_is_read_again_after_the_cache_time_or_a_reconnec
         await asyncio.sleep(0)
         state.stats["reconnects"] += 1  # the connection dropped and came back during the read
         assert (await reading) is not None and len(keys) == 0
-
-
-async def test_revoking_forgets_here_and_broadcasts_and_an_unreadable_broadcast_forgets_all(
-    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
-) -> None:
-    state = BusState()
-    keys = LiveKeys(state, ttl_s=300.0)  # type: ignore[arg-type]
-    first_id, first = await new_key(client, project)
-    _, second = await new_key(client, project)
-    async with sessions() as session:
-        assert await keys.lookup(session, first) is not None and await keys.lookup(session, second) is not None
-    assert len(keys) == 2
-    await keys.revoked(first_id)  # this stand-in echoes nothing back: only the local forget can remove it
-    assert len(keys) == 1
-    [(subject, data)] = state.published
-    assert subject == bus.API_KEY_REVOKED_SUBJECT and ApiKeyRevoked.model_validate_json(data).key_id == first_id
-    unreadable = SimpleNamespace(data=b'{"key_id": "key_x", "version": 2}', reply="_INBOX.revoker")
-    await keys.on_revoked(unreadable)  # type: ignore[arg-type]
-    assert len(keys) == 0
-    assert state.published[-1][0] == "_INBOX.revoker"  # the revoker is told it was forgotten
