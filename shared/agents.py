@@ -21,19 +21,20 @@ from pydantic import (
     model_validator,
 )
 
-from shared.events import CONTENT_MAX_CHARS, TAG_MAX_CHARS, AgentContext, MemoryWriteRequested, SourceType
+from shared.events import (
+    CONTENT_MAX_CHARS,
+    TAG_MAX_CHARS,
+    AgentContext,
+    MemoryWriteRequested,
+    SourceType,
+    refuse_nul,
+)
 from shared.ids import new_write_id
 from shared.search import KnowledgeFilter
 
 
 def _snake(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
-
-
-def refuse_nul(value: str) -> str:
-    if "\x00" in value:
-        raise ValueError("must not contain NUL characters")
-    return value
 
 
 def _one_or_many(value: Any) -> Any:
@@ -130,38 +131,42 @@ def write_memory_event(
     )
 
 
-def flatten_tags(tags: list[Any] | dict[str, Any] | None) -> list[str] | None:
-    """A `{key: value}` map becomes `["key:value", …]`; a list is kept (as strings)."""
-    if tags is None:
-        return None
-    if isinstance(tags, dict):
-        return [f"{key}:{value}" for key, value in tags.items()]
-    return [str(tag) for tag in tags]
+def flatten_tags(tags: Any) -> Any:
+    """An orchestration's `{key: value}` tag map becomes `["key:value", …]`; anything else is left as it
+    is, for the tag rules to judge."""
+    if not isinstance(tags, dict):
+        return tags
+    if not all(isinstance(value, str | int | float | bool) for value in tags.values()):
+        raise ValueError("tag map values must be strings, numbers or booleans")
+    return [f"{key}:{value}" for key, value in tags.items()]
 
 
-def encode_content(content: Any) -> str:
-    """An orchestration's mapped input may be any JSON value; non-strings are stored as JSON."""
-    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False, sort_keys=True)
+def encode_content(content: Any) -> Any:
+    """An orchestration's mapped input may be any JSON value; non-strings are stored as JSON (a null is
+    left as it is: there is no input)."""
+    if content is None or isinstance(content, str):
+        return content
+    return json.dumps(content, ensure_ascii=False, sort_keys=True)
 
 
 def orchestration_event(
     *,
     project_id: str,
     memory_id: str,
-    content: Any,
-    tags: list[Any] | dict[str, Any] | None = None,
+    content: str,
+    tags: list[str] | None = None,
     metadata: dict[str, Any] | None = None,
     source_type: SourceType = SourceType.ORCHESTRATION,
     write_id: str | None = None,
 ) -> MemoryWriteRequested:
-    """An orchestration `memory_write` node's write. It carries no agent context, so it never merges."""
+    """An orchestration `memory_write` node's write, its content encoded and its tags flattened
+    (`encode_content`, `flatten_tags`). It carries no agent context, so it never merges."""
     return MemoryWriteRequested(
         event_id=write_id or new_write_id(),
         project_id=project_id,
         memory_id=memory_id,
-        content=encode_content(content),
+        content=content,
         source_type=source_type,
-        tags=flatten_tags(tags),
+        tags=tags,
         metadata=metadata,
     )
-

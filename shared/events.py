@@ -8,17 +8,57 @@ event is upgraded before its writer (docs/operations.md).
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 CONTENT_MAX_CHARS = 8_000
 TAG_MAX_CHARS = 128
 TAGS_MAX_COUNT = 64
 METADATA_MAX_BYTES = 16_384
+METADATA_MAX_DEPTH = 32
+"""Deeper is refused: the bus's JSON parser has a recursion limit the writer must never hit."""
 DEFAULT_DUPLICATE_THRESHOLD = 0.95
+
+
+def refuse_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL: refused where text comes in, a 400 rather than a failed write.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Metadata as it may be stored: nested at most METADATA_MAX_DEPTH levels, at most METADATA_MAX_BYTES
+    as JSON, no NUL in any key or value."""
+    if value is None:
+        return None
+    if _depth(value) > METADATA_MAX_DEPTH:
+        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
+    encoded = json.dumps(value, ensure_ascii=False)  # NUL comes out escaped, even without ensure_ascii
+    if "\\u0000" in encoded:
+        raise ValueError("must not contain NUL characters")
+    if len(encoded.encode()) > METADATA_MAX_BYTES:
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON")
+    return value
+
+
+Text = Annotated[str, AfterValidator(refuse_nul)]
+Content = Annotated[str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)]
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
+Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
 
 
 def utcnow() -> datetime:
@@ -72,15 +112,15 @@ class MemoryWriteRequested(Event):
 
     project_id: str
     memory_id: str
-    content: str = Field(min_length=1, max_length=CONTENT_MAX_CHARS)
+    content: Content
     source_type: SourceType = SourceType.MANUAL
-    tags: list[str] | None = None
-    metadata: dict[str, Any] | None = None
+    tags: Tags | None = None
+    metadata: Metadata = None
     duplicate_threshold: float = Field(default=DEFAULT_DUPLICATE_THRESHOLD, ge=0.0, le=1.0)
     write_policy: WritePolicy | None = Field(default=None, description="overrides the memory's policy")
     agent: AgentContext | None = None
-    source_generation_id: str | None = None
-    source_conversation_id: str | None = None
+    source_generation_id: Text | None = None
+    source_conversation_id: Text | None = None
     reply_subject: str | None = Field(default=None, description="core NATS subject that awaits the outcome")
 
     @property
@@ -197,8 +237,8 @@ class GenerationCompleted(Event):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     project_id: str
-    generation_id: str = Field(min_length=1, max_length=255)
-    conversation_id: str | None = Field(default=None, max_length=255)
+    generation_id: Text = Field(min_length=1, max_length=255)
+    conversation_id: Text | None = Field(default=None, max_length=255)
     agent: GenerationAgent
     extract: bool | None = Field(default=None, description="per-turn override of the agent's extraction default")
     streamed: bool = False

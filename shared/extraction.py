@@ -99,8 +99,10 @@ def parse_candidates(text: str) -> list[str]:
     facts = []
     for item in items:
         content = item.get("content") if isinstance(item, dict) else item
-        if isinstance(content, str) and content.strip():
-            facts.append(content.strip()[:CONTENT_MAX_CHARS])
+        if isinstance(content, str):
+            content = content.replace("\x00", "").strip()  # a model's NUL could never be stored
+            if content:
+                facts.append(content[:CONTENT_MAX_CHARS])
     return facts[:MAX_CANDIDATES]
 
 

@@ -112,7 +112,8 @@ class ModelSteps:
         completion = await self._ask(messages, Purpose.MERGE)
         if completion is None:
             return None
-        return completion.text.strip().strip('"').strip() or None
+        # A model's NUL could never be stored.
+        return completion.text.replace("\x00", "").strip().strip('"').strip() or None
 
     async def arbitrate(self, incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
         listing = "\n".join(f"[{i}] {candidate.content}" for i, candidate in enumerate(shortlist, start=1))
@@ -153,4 +154,4 @@ def parse_arbitration(text: str, shortlist: list[Candidate]) -> Arbitration | No
         if target is None:
             return None  # a target outside the shortlist is never trusted
     content = answer.get("content")
-    return Arbitration(operation, target, content if isinstance(content, str) else None)
+    return Arbitration(operation, target, content.replace("\x00", "") if isinstance(content, str) else None)

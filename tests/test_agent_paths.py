@@ -131,6 +131,16 @@ async def test_merge_consolidates_similar_agent_facts(
     assert history[1]["model"] == model and history[1]["prompt_version"] == "merge-v1"
 
 
+async def test_a_merge_reply_with_nul_is_stored_without_it(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("merge-nul", MERGED[:10] + "\x00" + MERGED[10:])
+    first = await tool_write(client, memory, EMAIL, model)
+    merged = await tool_write(client, memory, EMAIL_DETAIL, model)
+    assert merged == {"action": "updated", "entry_id": first["entry_id"]}
+    assert (await get_entry(client, first["entry_id"]))["content"] == MERGED
+
+
 @pytest.mark.parametrize("reply", ["   ", RuntimeError("provider down"), "x" * 3000])
 async def test_unusable_merge_creates_instead(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, reply: Any
@@ -287,6 +297,47 @@ async def test_orchestration_write_encodes_content_and_flattens_tags(
     assert listed.json()["tags"] == ["a"] and listed.json()["source_type"] == "manual"
     assert (await client.post("/orchestration/memory-write", json={"memory_id": memory["id"]})).status_code == 400
     assert llm.calls == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "field"),
+    [
+        # The limits of every other write hold for the text as stored: after encoding and flattening.
+        ({"content": "a" * 8_001}, 413, "content"),
+        ({"content": {"k": "a" * 7_995}}, 413, "content"),
+        ({"content": "   \n\t"}, 400, "content"),
+        ({"content": None}, 400, "content"),
+        ({"content": "x", "tags": {"k": "v" * 130}}, 400, "tags.0"),
+        ({"content": "x", "tags": {"k": {"nested": 1}}}, 400, "tags"),
+        ({"content": "x", "tags": [7]}, 400, "tags.0"),
+        ({"content": "x", "tags": {f"k{i}": i for i in range(65)}}, 400, "tags"),
+        # NUL can never be stored: refused here, not retried by the writer until it gives up.
+        ({"content": "x", "tags": ["v\u0000"]}, 400, "tags.0"),
+        ({"content": "x", "tags": {"k\u0000": "v"}}, 400, "tags.0"),
+        ({"content": "x", "tags": {"k": "v\u0000"}}, 400, "tags.0"),
+        ({"content": "x", "metadata": {"k\u0000": "v"}}, 400, "metadata"),
+    ],
+)
+async def test_orchestration_write_is_validated_as_stored(
+    client: httpx.AsyncClient, memory: dict[str, Any], fields: dict[str, Any], status: int, field: str
+) -> None:
+    response = await client.post("/orchestration/memory-write", json={"memory_id": memory["id"], **fields})
+    assert response.status_code == status, response.text
+    meta = response.json()["error"]["meta"]
+    named = [problem["field"] for problem in meta.get("invalid_fields", [])] + meta.get("missing_fields", [])
+    assert field in named, meta
+    assert (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()["total"] == 0
+
+
+async def test_tool_write_refuses_a_nul_generation_id(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("unused-nul", "x")
+    body = {"content": "A fact", "agent": agent(model, memory["id"]), "generation_id": "gen_\u0000",
+            "project_id": memory["project_id"]}
+    response = await client.post("/tools/write_memory", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["meta"]["invalid_fields"][0]["field"] == "generation_id"
 
 
 async def test_deleting_a_generation_or_conversation_keeps_the_facts(

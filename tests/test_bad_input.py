@@ -126,6 +126,30 @@ async def test_an_oversized_write_event_is_dead_lettered(settings: Settings, wri
         await nc.close()
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("DELETE", "/generations/a%00b/provenance?project_id={project}", None),
+        ("DELETE", "/conversations/a%00b/provenance?project_id={project}", None),
+        ("GET", "/generations/a%00b/extraction?project_id={project}", None),
+        ("DELETE", "/ai-providers/a%00", None),
+        ("DELETE", "/model-routes/a%00", None),
+        ("POST", "/ai-providers", {"project_id": "{project}", "name": "p", "provider": "openai", "api_base": "h\u0000"}),
+        ("POST", "/ai-providers", {"project_id": "{project}", "name": "p", "provider": "openai", "default_model": "m\u0000"}),
+        ("POST", "/model-routes", {"project_id": "{project}", "name": "r", "targets": [{"ai_provider_id": "a\u0000"}]}),
+        ("PUT", "/projects/{project}/default-model-route", {"model_route_id": "a\u0000"}),
+    ],
+)
+async def test_nul_anywhere_is_a_4xx(
+    client: httpx.AsyncClient, memory: dict[str, Any], method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    project = memory["project_id"]
+    payload = json.loads(json.dumps(body).replace("{project}", project)) if body is not None else None
+    response = await client.request(method, path.replace("{project}", project), json=payload)
+    assert_envelope(response, 400)
+    assert "NUL" in response.json()["error"]["message"] + json.dumps(response.json()["error"].get("meta"))
+
+
 async def test_a_body_without_the_json_content_type_is_explained(client: httpx.AsyncClient) -> None:
     response = await client.post("/memories", content=b'{"name": "x"}', headers={"content-type": "text/plain"})
     assert_envelope(response, 400)

@@ -91,6 +91,7 @@ def test_prompt_default_and_custom_keep_the_contract_and_transcript() -> None:
         ('{"facts": ["A"]}', ["A"]),  # first [ to last ]
         ('[1, 2', []),
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
+        ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
     ],
 )
 def test_parse_candidates(text: str, facts: list[str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("memories.api")
@@ -97,6 +97,14 @@ def install(app: FastAPI) -> None:
     async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc)
         return envelope(503, "the database is unavailable; retry later")
+
+    @app.exception_handler(DataError)
+    async def unstorable_value(_request: Request, exc: DataError) -> JSONResponse:
+        # A value the request models let through but the database refuses (SQLSTATE class 22, or a NUL
+        # the driver will not send): the request's fault, so a 400, but logged as a gap in validation.
+        log.warning("value refused by the database: %s", exc.orig)
+        reason = str(exc.orig).splitlines()[0] if exc.orig is not None else "invalid value"
+        return envelope(400, f"a value in the request cannot be stored: {reason}")
 
     @app.exception_handler(DBAPIError)
     async def database_error(_request: Request, exc: DBAPIError) -> JSONResponse:

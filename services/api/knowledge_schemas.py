@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from services.api.schemas import Timestamp
-from shared.agents import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList, refuse_nul
-from shared.events import CONTENT_MAX_CHARS
+from shared.agents import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList
+from shared.events import CONTENT_MAX_CHARS, refuse_nul
 from shared.search import KnowledgeHit
 
 Query = Annotated[str, StringConstraints(max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -10,47 +9,21 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializ
 
 from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
 from shared.events import (
-    CONTENT_MAX_CHARS,
     DEFAULT_DUPLICATE_THRESHOLD,
-    METADATA_MAX_BYTES,
-    TAG_MAX_CHARS,
-    TAGS_MAX_COUNT,
     EntryState,
+    Metadata,
     SourceType,
+    Tags,
     WriteAction,
     WritePolicy,
+    refuse_nul,
 )
+from shared.events import Content as EventContent
 
 
-def _no_nul(value: str) -> str:
-    # PostgreSQL text cannot hold NUL; refusing it here keeps it a 400 instead of a database error.
-    if "\x00" in value:
-        raise ValueError("must not contain NUL characters")
-    return value
-
-
-METADATA_MAX_DEPTH = 32
-"""Deeper than this is refused: the bus's JSON parser has a recursion limit the writer must never hit."""
-
-
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
-
-
-def _metadata_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if _depth(value) > METADATA_MAX_DEPTH:
-        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
-    encoded = json.dumps(value, ensure_ascii=False)
-    if "\\u0000" in encoded:
-        raise ValueError("must not contain NUL characters")
-    if len(encoded.encode()) > METADATA_MAX_BYTES:
-        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON")
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
     return value
 
 
@@ -60,14 +33,9 @@ def _utc(value: datetime | None) -> str | None:
 
 Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
 OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(_no_nul)]
-Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(_no_nul)]
-Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(_no_nul)]
-Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
-Content = Annotated[
-    str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(_no_nul)
-]
-Metadata = Annotated[dict[str, Any] | None, AfterValidator(_metadata_size)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(refuse_nul)]
+Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(refuse_nul)]
+Content = Annotated[EventContent, AfterValidator(_not_blank)]
 Threshold = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 

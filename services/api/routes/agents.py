@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import (
@@ -21,10 +21,10 @@ from services.api.deps import (
 from services.api.errors import ApiError
 from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
-from services.api.schemas import Content, Metadata, Strict, Timestamp
+from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
 from shared import repository as repo
-from shared.agents import AgentSpec, orchestration_event
-from shared.events import CONTENT_MAX_CHARS, TAGS_MAX_COUNT, SourceType
+from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
+from shared.events import SourceType, Text
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
 
@@ -34,7 +34,7 @@ router = APIRouter(tags=["agents"])
 class WriteMemoryCall(Strict):
     content: Content
     agent: AgentSpec
-    generation_id: str | None = Field(default=None, max_length=255)
+    generation_id: Text | None = Field(default=None, max_length=255)
     memory_id: str | None = Field(default=None, description="if given, must be the agent's write_memory_id")
     project_id: str | None = None
 
@@ -79,8 +79,17 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
 
 class OrchestrationWrite(Strict):
     memory_id: str
-    content: Annotated[Any, Field(description="the mapped input; a non-string is stored JSON-encoded")]
-    tags: list[Annotated[str, Field(min_length=1, max_length=128)]] | dict[str, str | int | float | bool] | None = None
+    # The rules of every other write apply to the text as it will be stored: after encoding, after flattening.
+    content: Annotated[
+        Content | None,
+        BeforeValidator(encode_content),
+        Field(description="the mapped input; a non-string is stored JSON-encoded"),
+    ]
+    tags: Annotated[
+        Tags | None,
+        BeforeValidator(flatten_tags),
+        Field(description='a list, or a {key: value} map stored as "key:value" tags'),
+    ] = None
     metadata: Metadata = None
     source_type: SourceType = SourceType.ORCHESTRATION
 
@@ -110,10 +119,6 @@ async def orchestration_write(
         source_type=body.source_type,
         write_id=write_id_for(project_id, idempotency_key),
     )
-    if not event.content.strip() or len(event.content) > CONTENT_MAX_CHARS:
-        raise ApiError(413 if event.content.strip() else 400, f"content must be 1 to {CONTENT_MAX_CHARS} characters")
-    if event.tags is not None and len(event.tags) > TAGS_MAX_COUNT:
-        raise ApiError(400, f"at most {TAGS_MAX_COUNT} tags", meta={"invalid_fields": ["tags"]})
     return await submit_write(request, session, event, fresh_id=idempotency_key is None)
 
 

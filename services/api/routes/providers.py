@@ -11,18 +11,19 @@ from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Name, Strict, Timestamp
 from shared import registry
+from shared.events import Text
 
 router = APIRouter(tags=["model registry"])
 
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-ModelName = Annotated[str, Field(min_length=1, max_length=255)]
+ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
 
 
 class ProviderCreate(Strict):
     project_id: str | None = None
     name: Name
     provider: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$", description="litellm prefix, e.g. openai")]
-    api_base: Annotated[str, Field(max_length=2048)] | None = None
+    api_base: Annotated[Text, Field(max_length=2048)] | None = None
     api_key_env: EnvName | None = Field(default=None, description="NAME of the env variable with the key")
     default_model: ModelName | None = None
 
@@ -39,7 +40,7 @@ class ProviderOut(BaseModel):
 
 
 class RouteTarget(Strict):
-    ai_provider_id: str
+    ai_provider_id: Text
     model: ModelName | None = None
 
 
@@ -58,7 +59,7 @@ class RouteOut(BaseModel):
 
 
 class DefaultRoute(Strict):
-    model_route_id: str | None
+    model_route_id: Text | None
 
 
 @router.post("/ai-providers", status_code=status.HTTP_201_CREATED, summary="Register an AI provider")
