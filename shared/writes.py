@@ -124,7 +124,7 @@ class WriteApplier:
                 await self._store(session, decided)
                 return decided[0].applied
         except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
-            return await self._record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
+            return await self.record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
 
     async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Exception]:
         """`prepare`, then `decide`: one exact-copy query, one embedding call, one transaction."""
@@ -143,7 +143,7 @@ class WriteApplier:
             vectors = await self._embed([events[i].content for i in unseen])
         except EmbeddingError as exc:
             for i in unseen:
-                failed = await self._record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
+                failed = await self.record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
                 prepared[i] = PreparedWrite(events[i], digests[i], failed=failed)
         else:
             for i, vector in zip(unseen, vectors, strict=True):
@@ -348,7 +348,7 @@ class WriteApplier:
             },
         )
 
-    async def _record_failure(self, event: MemoryWriteRequested, code: str, message: str) -> AppliedWrite:
+    async def record_failure(self, event: MemoryWriteRequested, code: str, message: str) -> AppliedWrite:
         """A failed attempt is stored (not as an effect) so a retry with the same key can try again."""
         async with self._sessions.begin() as session:
             stored = await repo.get_write_outcome(session, event.write_id)

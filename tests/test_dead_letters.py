@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest_asyncio
 from nats.js import JetStreamContext
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.main import Writer
@@ -184,3 +184,35 @@ async def test_replay_all_of_one_origin_and_letters_that_cannot_be_replayed(dlq_
 
     assert dlq_bus.cli("replay").returncode == 2  # neither sequences nor --all
     assert dlq_bus.cli("replay", "1", "--origin", "writer").returncode == 2
+
+
+async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
+    dlq_bus: Bus, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # The database refuses this memory's new entries, as it would a value that slipped past validation.
+    async with sessions.begin() as session:
+        await session.execute(text(
+            "CREATE FUNCTION refuse_entry() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$"))
+        await session.execute(text(
+            "CREATE TRIGGER refuse_entry BEFORE INSERT ON memory_entries FOR EACH ROW "
+            f"WHEN (NEW.memory_id = '{dlq_bus.memory_id}') EXECUTE FUNCTION refuse_entry()"))
+    try:
+        event = MemoryWriteRequested(event_id=new_write_id(), project_id=dlq_bus.project_id,
+                                     memory_id=dlq_bus.memory_id, content="The dock opens at five")
+        await dlq_bus.js.publish(dlq_bus.write_subject(), event.model_dump_json().encode(), stream=bus.WRITES_STREAM)
+        (letter,) = await wait_for_letters(dlq_bus.js, 1)
+        assert "gave up after 3" in letter.reason
+        deadline = time.monotonic() + 15  # recorded just after the dead letter is parked
+        while True:
+            async with sessions() as session:
+                outcome = await session.get(WriteOutcome, event.write_id)
+            if (outcome is not None and outcome.status == "failed") or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert outcome is not None and outcome.status == "failed" and outcome.error_code == "INTERNAL_ERROR"
+        assert "set aside for an operator" in (outcome.error_message or "")
+    finally:
+        async with sessions.begin() as session:
+            await session.execute(text("DROP TRIGGER refuse_entry ON memory_entries"))
+            await session.execute(text("DROP FUNCTION refuse_entry()"))

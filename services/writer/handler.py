@@ -73,7 +73,7 @@ class WriteHandler:
             # created in this context keeps it).
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
                 if isinstance(result, Exception):
-                    await self._retry_or_give_up(message, result)
+                    await self._retry_or_give_up(message, event, result)
                 else:
                     await self._settle(message, event, result)
                     announcements.append(asyncio.create_task(self._announce(event, result)))
@@ -108,14 +108,28 @@ class WriteHandler:
             return None
         return event
 
-    async def _retry_or_give_up(self, message: Msg, exc: Exception) -> None:
+    async def _retry_or_give_up(self, message: Msg, event: MemoryWriteRequested, exc: Exception) -> None:
         delivered = message.metadata.num_delivered if message.metadata else 1
-        log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
-        if not bus.is_outage(exc) and delivered >= self._max_deliver:
-            await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
-            await message.ack()
-        else:
+        if bus.is_outage(exc) or delivered < self._max_deliver:
+            log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
             await message.nak(delay=bus.retry_delay(self._backoff, delivered))
+            return
+        log.error("write failed, giving up", extra={"attempt": delivered}, exc_info=exc)
+        await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
+        await message.ack()
+        await self._record_given_up(event, delivered)
+
+    async def _record_given_up(self, event: MemoryWriteRequested, attempts: int) -> None:
+        """The write's status says failed instead of pending forever; a replay from the dead letters or a
+        retry with the same Idempotency-Key may still apply it."""
+        reason = f"the write could not be applied after {attempts} attempts and was set aside for an operator"
+        try:
+            applied = await self._applier.record_failure(event, "INTERNAL_ERROR", reason)
+        except Exception:  # the dead letter holds the write; only its status is stale
+            log.exception("could not record the write as failed")
+            return
+        if event.reply_subject:
+            await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())
 
     async def _settle(self, message: Msg, event: MemoryWriteRequested, applied: AppliedWrite) -> None:
         # Counted at commit, before the ack: a lost ack comes back as a replay and is not counted twice.
