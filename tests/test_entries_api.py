@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared import repository as repo
 
 ENTRY_FIELDS = {
     "id", "memory_id", "content", "source_type", "tags", "metadata", "source_generation_id",
@@ -159,3 +162,30 @@ async def test_delete_entry(client: httpx.AsyncClient, memory: dict[str, Any]) -
     assert (await client.get(f"/memory-entries/{entry['id']}")).status_code == 404
     assert (await client.delete(f"/memory-entries/{entry['id']}")).status_code == 404
     assert (await client.get("/memory-entries/mem_entry_bad")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "change", [{"method": "PUT", "json": {"tags": ["late"]}}, {"method": "PUT", "json": {"content": "New text"}},
+               {"method": "DELETE"}],
+)
+async def test_an_entry_deleted_while_an_edit_waits_for_its_memory_is_404(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    change: dict[str, Any],
+) -> None:
+    entry = (await write(client, memory["id"], "A fact about to go")).json()
+    async with sessions.begin() as session:
+        # Another transaction holds the memory (as a writer decision or a second edit would) and deletes the
+        # entry; the edit has read the entry by then and waits for the lock.
+        await repo.lock_memory(session, memory["id"])
+        edit = asyncio.create_task(client.request(url=f"/memory-entries/{entry['id']}", **change))
+        for _ in range(100):
+            waiting = await session.scalar(text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"))
+            if waiting:
+                break
+            await asyncio.sleep(0.05)
+        assert waiting, "the edit never waited for the memory's lock"
+        await session.execute(text("DELETE FROM memory_entries WHERE id = :id"), {"id": entry["id"]})
+    response = await edit
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"

@@ -44,6 +44,16 @@ async def load_entry(session: AsyncSession, principal_scope: str | None, entry_i
     return entry
 
 
+async def _locked(session: AsyncSession, entry: MemoryEntry) -> MemoryEntry:
+    """The entry as it stands under its memory's lock, which keeps an edit from interleaving with a writer
+    decision or another edit; one deleted meanwhile is a 404 here rather than a failed UPDATE later."""
+    await repo.lock_memory(session, entry.memory_id)
+    current = await session.get(MemoryEntry, entry.id, populate_existing=True)
+    if current is None:
+        raise not_found("memory entry", entry.id)
+    return current
+
+
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
@@ -165,7 +175,6 @@ async def update_entry(
         changes["tags"] = body.tags or None
     if "metadata" in body.model_fields_set:
         changes["metadata_"] = body.metadata
-    before = entry.content
     if "content" in body.model_fields_set:
         if body.content is None:
             raise ApiError(400, "content cannot be null", meta={"invalid_fields": ["content"]})
@@ -185,8 +194,8 @@ async def update_entry(
                 embedding=vector,
                 embedding_model=settings.embedding_model,
             )
-    # The memory's lock keeps an edit from interleaving with a writer decision on the same memory.
-    await repo.lock_memory(session, entry.memory_id)
+    entry = await _locked(session, entry)  # the embedding above is computed before, not under, the lock
+    before = entry.content
     entry = await repo.update_entry(session, entry, changes)
     await repo.save_records(session, [], [_edit_record(entry, "edited", before, entry.content)])
     await session.commit()
@@ -201,8 +210,7 @@ async def update_entry(
     dependencies=[require("memories:DeleteMemoryEntry")],
 )
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
-    entry = await load_entry(session, scope(principal), entry_id)
-    await repo.lock_memory(session, entry.memory_id)
+    entry = await _locked(session, await load_entry(session, scope(principal), entry_id))
     await repo.save_records(session, [], [_edit_record(entry, "deleted", entry.content, None)])
     await repo.delete_entry(session, entry)
     await session.commit()
