@@ -116,8 +116,14 @@ def _visible(row: Any, project_id: str | None) -> Any:
     return row if row is not None and project_id in (None, row.project_id) else None
 
 
-async def get_memory(session: AsyncSession, project_id: str | None, memory_id: str) -> Memory | None:
-    return _visible(await session.get(Memory, memory_id), project_id)
+async def get_memory(
+    session: AsyncSession, project_id: str | None, memory_id: str, *, for_change: bool = False
+) -> Memory | None:
+    """`for_change`: row-locked for the rest of the transaction, so concurrent edits and deletes of the
+    memory take turns, and one that finds it deleted meanwhile sees it gone."""
+    if not for_change:
+        return _visible(await session.get(Memory, memory_id), project_id)
+    return _visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
 
 
 _SELECT_MEMORY_PROJECT = select(Memory.project_id).where(Memory.id == bindparam("id"))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 
 async def test_requests_without_a_valid_token_are_401(client: httpx.AsyncClient) -> None:
@@ -160,3 +163,24 @@ async def test_delete_memory_removes_its_entries(client: httpx.AsyncClient, memo
     assert (await client.delete(f"/memories/{memory['id']}")).status_code == 204
     assert (await client.get(f"/memories/{memory['id']}")).status_code == 404
     assert (await client.get(f"/memory-entries/{entry['id']}")).status_code == 404
+
+
+@pytest.mark.parametrize("change", [{"method": "PUT", "json": {"name": "Renamed"}}, {"method": "DELETE"}])
+async def test_a_memory_deleted_while_an_edit_waits_is_404(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    change: dict[str, Any],
+) -> None:
+    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "Going"})).json()
+    async with sessions.begin() as session:
+        # A concurrent DELETE that has not committed yet: the edit must wait for it, then find nothing.
+        await session.execute(text("DELETE FROM memories WHERE id = :id"), {"id": memory["id"]})
+        edit = asyncio.create_task(client.request(url=f"/memories/{memory['id']}", **change))
+        for _ in range(100):
+            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE NOT granted")):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the edit never waited for the delete")
+    response = await edit
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"

@@ -28,11 +28,14 @@ router = APIRouter(prefix="/memories", tags=["memories"])
 MAX_TAG_PATTERNS = 20
 
 
-async def load_memory(session: AsyncSession, principal_scope: str | None, memory_id: str) -> Memory:
-    """The memory, or a 404 whether it is absent, malformed or another project's."""
+async def load_memory(
+    session: AsyncSession, principal_scope: str | None, memory_id: str, *, for_change: bool = False
+) -> Memory:
+    """The memory, or a 404 whether it is absent, malformed or another project's (`for_change`: see
+    `repository.get_memory`)."""
     memory = None
     if is_valid_id(memory_id, MEMORY_PREFIX):
-        memory = await repo.get_memory(session, principal_scope, memory_id)
+        memory = await repo.get_memory(session, principal_scope, memory_id, for_change=for_change)
     if memory is None:
         raise not_found("memory", memory_id)
     return memory
@@ -105,7 +108,7 @@ async def get_memory(memory_id: str, session: ReadSessionDep, principal: Princip
 async def update_memory(
     memory_id: str, body: MemoryUpdate, session: SessionDep, principal: PrincipalDep
 ) -> MemoryOut:
-    memory = await load_memory(session, scope(principal), memory_id)
+    memory = await load_memory(session, scope(principal), memory_id, for_change=True)
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     for required in ("name", "write_policy"):
         if required in changes and changes[required] is None:
@@ -126,7 +129,7 @@ async def update_memory(
 async def delete_memory(
     memory_id: str, request: Request, session: SessionDep, principal: PrincipalDep
 ) -> Response:
-    memory = await load_memory(session, scope(principal), memory_id)
+    memory = await load_memory(session, scope(principal), memory_id, for_change=True)
     await repo.delete_memory(session, memory)
     await session.commit()
     # Other API processes still remember it; their writes to it are refused by the writer instead.
