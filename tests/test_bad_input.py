@@ -154,3 +154,18 @@ async def test_a_body_without_the_json_content_type_is_explained(client: httpx.A
     response = await client.post("/memories", content=b'{"name": "x"}', headers={"content-type": "text/plain"})
     assert_envelope(response, 400)
     assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"conversation_id": "conv_\u0000"}, {"extract": "yes"}, {"extract": 1}, {"streamed": "false"}],
+)
+async def test_a_completed_turn_is_validated_before_it_is_published(
+    client: httpx.AsyncClient, memory: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    body = {"project_id": memory["project_id"], "generation_id": "gen_bad_input",
+            "agent": {"id": "agent_1", "model": "m", "knowledge_config": {"writeMemoryId": memory["id"]}},
+            "messages": [{"role": "user", "content": "Hi"}], **fields}
+    response = await client.post("/generations/completed", json=body)
+    assert_envelope(response, 400)
+    assert [problem["field"] for problem in response.json()["error"]["meta"]["invalid_fields"]] == list(fields)

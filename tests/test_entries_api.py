@@ -51,6 +51,8 @@ async def test_threshold_decides_near_duplicates(client: httpx.AsyncClient, memo
         ({"duplicate_threshold": 1.5}, 400),
         ({"duplicate_threshold": -0.1}, 400),
         ({"duplicate_threshold": "high"}, 400),
+        ({"duplicate_threshold": "0.5"}, 400),  # numbers are JSON numbers, never guessed from strings
+        ({"duplicate_threshold": False}, 400),  # nor from booleans (false would have skipped everything)
         ({"source_type": "robot"}, 400),
         ({"tags": ["t"] * 65}, 400),
         ({"tags": [7]}, 400),

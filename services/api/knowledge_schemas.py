@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictInt, StringConstraints
 
 from services.api.schemas import Timestamp
 from shared.agents import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList
@@ -21,8 +21,8 @@ class KnowledgeSearch(BaseModel):
 
     project_id: str | None = None
     query: Query | None = Field(default=None, description="ranked by similarity when given")
-    min_score: MinScore | None = Field(default=None, description="cosine similarity, -1..1")
-    limit: int | None = Field(default=None, description="default 10; clamped to 1..100")
+    min_score: Annotated[MinScore, Strict()] | None = Field(default=None, description="cosine similarity, -1..1")
+    limit: StrictInt | None = Field(default=None, description="default 10; clamped to 1..100")
     memory_ids: MemoryIdList = Field(default=[], description="a string is taken as a list of one")
     memory_tags: TagPatternList = Field(
         default=[], description="globs (`*`, `?`) on the memories' tags and on the entries' own tags"

@@ -5,7 +5,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictFloat,
+    StringConstraints,
+)
 
 from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
 from shared.events import (
@@ -36,7 +44,8 @@ OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type
 Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(refuse_nul)]
 Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(refuse_nul)]
 Content = Annotated[EventContent, AfterValidator(_not_blank)]
-Threshold = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# Numbers must be JSON numbers: "0.5" or true is a client bug to report, not to guess at.
+Threshold = Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class Strict(BaseModel):

@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, status
 from fastapi.responses import JSONResponse
 from nats.errors import Error as NatsError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Strict, Timestamp
 from shared import bus, registry
-from shared.events import ChatMessage, ExtractionSummary, GenerationAgent, GenerationCompleted
+from shared.events import ChatMessage, ExtractionSummary, GenerationAgent, GenerationCompleted, Text
 from shared.ids import new_id
 
 router = APIRouter(prefix="/generations", tags=["extraction"])
@@ -20,10 +20,10 @@ router = APIRouter(prefix="/generations", tags=["extraction"])
 class CompletedTurn(Strict):
     project_id: str | None = None
     generation_id: str = Field(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$")
-    conversation_id: str | None = Field(default=None, max_length=255)
+    conversation_id: Text | None = Field(default=None, max_length=255)
     agent: GenerationAgent
-    extract: bool | None = None
-    streamed: bool = False
+    extract: StrictBool | None = None
+    streamed: StrictBool = False
     status: str = Field(default="completed", max_length=64)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, max_length=100_000)
