@@ -141,6 +141,9 @@ async def test_tag_globs(client: httpx.AsyncClient, project: dict[str, Any]) -> 
     assert await _names(client, pid, "100__done") == []  # `_` is literal, not a wildcard
     assert await _names(client, pid, "%") == []  # `%` is literal
     assert len(await _names(client, pid)) == 6
+    for pattern, reason in [("t" * 129, "at most 128 characters"), ("a\x00b", "NUL")]:
+        refused = await client.get("/memories", params={"project_id": pid, "tags": [pattern]})
+        assert refused.status_code == 400 and reason in refused.json()["error"]["message"]
 
 
 async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project: dict[str, Any]) -> None:

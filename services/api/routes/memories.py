@@ -21,6 +21,7 @@ from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
 from shared.db.models import Memory
+from shared.events import TAG_MAX_CHARS
 from shared.ids import MEMORY_PREFIX, is_valid_id
 
 router = APIRouter(prefix="/memories", tags=["memories"])
@@ -89,8 +90,10 @@ async def list_memories(
     tags: Annotated[list[str], Query(max_length=MAX_TAG_PATTERNS)] = [],  # noqa: B006 - FastAPI copies it
 ) -> Page[MemoryOut]:
     project = await resolve_project(session, principal, project_id)
-    if any(len(pattern) > 128 or "\x00" in pattern for pattern in tags):
-        raise ApiError(400, "tag patterns must be at most 128 characters", meta={"invalid_fields": ["tags"]})
+    if any(len(pattern) > TAG_MAX_CHARS for pattern in tags):
+        raise ApiError(400, f"tag patterns must be at most {TAG_MAX_CHARS} characters", meta={"invalid_fields": ["tags"]})
+    if any("\x00" in pattern for pattern in tags):
+        raise ApiError(400, "tag patterns must not contain NUL characters", meta={"invalid_fields": ["tags"]})
     rows, total = await repo.list_memories(session, project, tags, paging.limit, paging.offset)
     return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
 
