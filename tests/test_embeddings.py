@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Encoding, Tokenizer
 
 from shared.embeddings import (
     LOCAL_DIMENSIONS,
@@ -30,8 +32,19 @@ SENTENCES = [
     "The warehouse ships on Tuesdays",
     "ok",
     "Der Kunde bevorzugt E-Mails.",
-    "A long note that runs past the model's window. " * 60,  # > 256 tokens: truncated
+    "A long note that runs past the model's window. " * 60,  # > 256 tokens: embedded in windows
 ] + [f"Fact {i}: the user drinks {'tea' if i % 2 else 'coffee'} at {i % 12 + 1} o'clock" for i in range(40)]
+
+# Two long entries (> 400 tokens) that differ only in their last sentence, well past the first
+# 256-token window, which is all the model sees of either at once.
+_TOPICS = ["billing", "shipping", "the warehouse", "support", "the app", "invoices", "refunds", "onboarding"]
+PREAMBLE = " ".join(
+    f"On day {i} the team reviewed the {_TOPICS[i % 8]} backlog and closed {i + 3} tickets."
+    for i in range(25)
+)
+LAST_A = "The customer's dog is a golden retriever named Biscuit who loves swimming in the lake."
+LAST_B = "The invoice for March was paid in Norwegian kroner by wire transfer from Oslo."
+LONG_A, LONG_B = f"{PREAMBLE} {LAST_A}", f"{PREAMBLE} {LAST_B}"
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +63,21 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _norm(v: list[float]) -> float:
     return math.sqrt(math.fsum(x * x for x in v))
+
+
+@functools.cache
+def _untruncated_tokenizer() -> Tokenizer:
+    from shared.embeddings import _onnx
+
+    tokenizer = Tokenizer.from_file(str(_onnx.TOKENIZER_PATH))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _all_tokens(text: str) -> Encoding:
+    """[CLS], every word piece of the text, [SEP]: what the model would see without its window limit."""
+    return _untruncated_tokenizer().encode(text)
 
 
 def test_importing_the_package_loads_neither_litellm_nor_the_runtime() -> None:
@@ -74,11 +102,52 @@ async def test_deterministic_across_calls() -> None:
 
 
 async def test_a_batch_gives_the_same_vectors_as_single_calls() -> None:
-    # 46 texts of very different lengths: exercises length sorting, sub-batching and truncation.
+    # 46 texts of very different lengths: exercises length sorting, sub-batching and windowing.
     batch = await embed_texts(SENTENCES, model=LOCAL_MODEL)
     for text, from_batch in zip(SENTENCES, batch, strict=True):
         (alone,) = await embed_texts([text], model=LOCAL_MODEL)
         assert max(abs(a - b) for a, b in zip(alone, from_batch, strict=True)) < 1e-4
+
+
+async def test_long_texts_that_differ_only_past_the_first_window_get_different_vectors() -> None:
+    from shared.embeddings._onnx import MAX_TOKENS
+
+    assert len(_all_tokens(PREAMBLE)) > MAX_TOKENS + 100  # the shared part alone fills the first window
+    assert min(len(_all_tokens(LONG_A)), len(_all_tokens(LONG_B))) > 400
+    a, b = await embed_texts([LONG_A, LONG_B], model=LOCAL_MODEL)
+    assert cosine(a, b) < 0.99  # truncated at the window, both were the same vector (cosine 1.0)
+
+
+async def test_short_texts_get_the_same_vectors_in_a_batch_with_long_texts() -> None:
+    shorts = SENTENCES[:5]
+    mixed = await embed_texts([LONG_A, *shorts, LONG_B, SENTENCES[5]], model=LOCAL_MODEL)
+    for i, text in enumerate(shorts, start=1):
+        (alone,) = await embed_texts([text], model=LOCAL_MODEL)
+        assert max(abs(a - b) for a, b in zip(alone, mixed[i], strict=True)) < 1e-5
+
+
+async def test_the_end_of_a_long_text_counts_in_its_vector() -> None:
+    from shared.embeddings._onnx import MAX_TOKENS
+
+    tokens = _all_tokens(LONG_A)
+    # The text up to the end of the last word piece that fits the first window ([SEP] takes the last slot).
+    first_window = LONG_A[: tokens.offsets[MAX_TOKENS - 2][1]]
+    assert len(_all_tokens(first_window)) == MAX_TOKENS and LAST_A not in first_window
+    whole, truncated, last = await embed_texts([LONG_A, first_window, LAST_A], model=LOCAL_MODEL)
+    assert _norm(whole) == pytest.approx(1.0, abs=1e-6)
+    # The preamble has nothing in common with the last sentence (a cosine near 0): all the gain is the tail's.
+    assert cosine(whole, last) > cosine(truncated, last) + 0.05
+
+
+def test_the_token_count_covers_every_window() -> None:
+    from shared.embeddings import _onnx
+
+    encoder = _onnx.get_encoder()
+    _, long_count = encoder.encode_counted([LONG_A])
+    _, short_count = encoder.encode_counted([SENTENCES[0]])
+    # Every word piece at least once; the windows' overlaps and their own [CLS] … [SEP] on top.
+    assert long_count > len(_all_tokens(LONG_A)) > _onnx.MAX_TOKENS
+    assert encoder.encode_counted([SENTENCES[0], LONG_A])[1] == short_count + long_count
 
 
 async def test_concurrent_calls_agree_with_a_sequential_one() -> None:

@@ -1,5 +1,10 @@
 """all-MiniLM-L6-v2 (int8 ONNX) run on onnxruntime's CPU provider: text in, unit vectors out.
 
+The model attends over at most 256 tokens, while an entry may run to ~2,000. A longer text is
+cut into overlapping windows that are embedded like texts of their own, and its vector is their
+token-weighted mean: truncating instead would make everything past the first ~1,000 characters
+invisible (entries differing only late would look identical, late facts unsearchable).
+
 Synchronous and CPU-bound on purpose; the async callers push it to a worker thread.
 """
 
@@ -17,12 +22,15 @@ if TYPE_CHECKING:  # both are heavy imports; load them only when the model is fi
     from tokenizers import Encoding, Tokenizer
 
 DIMENSIONS = 384
-MAX_TOKENS = 256  # the model's max_seq_length; longer texts are truncated, as sentence-transformers does
+MAX_TOKENS = 256  # the model's max_seq_length, [CLS] and [SEP] included: the size of a window
+# Tokens a window repeats from the end of the one before: a sentence of up to this length that a
+# window's end cuts in two is still seen whole by the next window.
+WINDOW_OVERLAP = 32
 TOKENIZER_PATH = Path(__file__).parent / "data" / "tokenizer.json"
 
-# Sub-batches are formed from length-sorted texts so one long text does not pad a whole batch:
+# Sub-batches are formed from length-sorted windows so one long window does not pad a whole batch:
 # on 2 cores that doubles throughput against one padded batch of 256. The token budget bounds the
-# attention tensors (rows x heads x len^2) that a batch of long texts would otherwise allocate.
+# attention tensors (rows x heads x len^2) that a batch of long windows would otherwise allocate.
 _MAX_ROWS = 32
 _TOKEN_BUDGET = 4096
 
@@ -60,7 +68,9 @@ class MiniLMEncoder:
 
         tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
         # The file ships with truncation and *fixed* padding at 128; we pad ourselves per sub-batch.
-        tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        # Truncating with a stride keeps the cut-off tokens: they come back as further windows,
+        # each wrapped in its own [CLS] … [SEP], in `Encoding.overflowing`.
+        tokenizer.enable_truncation(max_length=MAX_TOKENS, stride=WINDOW_OVERLAP)
         tokenizer.no_padding()
         return tokenizer
 
@@ -87,50 +97,64 @@ class MiniLMEncoder:
         self._load()
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        """[len(texts), 384] float32, each row L2-normalised (mean pooling over the attention mask)."""
+        """[len(texts), 384] float32, each row L2-normalised (mean pooling over the text's windows)."""
         return self.encode_counted(texts)[0]
 
     def encode_counted(self, texts: list[str]) -> tuple[np.ndarray, int]:
-        """`encode`, plus the number of tokens the model saw (after truncation), for usage reports."""
+        """`encode`, plus the number of tokens the model saw (every window's), for usage reports."""
         session, tokenizer = self._load()
-        out = np.zeros((len(texts), DIMENSIONS), dtype=np.float32)
         if not texts:
-            return out, 0
-        encodings = tokenizer.encode_batch(texts)
-        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+            return np.zeros((0, DIMENSIONS), dtype=np.float32), 0
+        # Text i's first window is windows[i]; the later windows of long texts are appended after.
+        windows = tokenizer.encode_batch(texts)
+        lengths = [len(window) for window in windows]
+        later_windows: list[tuple[int, range]] = []  # (text, where its later windows are in `windows`)
+        # Only a text that filled its first window can have more; testing the length first spares
+        # short texts a read of `overflowing`, which copies.
+        for i in [i for i, n in enumerate(lengths) if n == MAX_TOKENS]:
+            if rest := windows[i].overflowing:
+                later_windows.append((i, range(len(windows), len(windows) + len(rest))))
+                windows += rest
+                lengths += [len(window) for window in rest]
+        pooled = np.empty((len(windows), DIMENSIONS), dtype=np.float32)
+        order = sorted(range(len(windows)), key=lengths.__getitem__)
         start = 0
         while start < len(order):
             # Sorted ascending, so the last row of a candidate slice is its longest.
             rows = _MAX_ROWS
-            while (
-                rows > 1
-                and len(encodings[order[min(start + rows, len(order)) - 1]].ids) * rows > _TOKEN_BUDGET
-            ):
+            while rows > 1 and lengths[order[min(start + rows, len(order)) - 1]] * rows > _TOKEN_BUDGET:
                 rows //= 2
             chunk = order[start : start + rows]
-            out[chunk] = self._run(session, [encodings[i] for i in chunk])
+            pooled[chunk] = self._pool(session, [windows[i] for i in chunk])
             start += len(chunk)
-        return out, sum(len(e.ids) for e in encodings)
+        for i, positions in later_windows:
+            # Weighted by token count, this is the mean over all the text's tokens (overlaps counted
+            # twice): a short last window weighs no more than the few tokens it holds.
+            text_windows = [i, *positions]
+            pooled[i] = np.average(pooled[text_windows], axis=0, weights=[lengths[w] for w in text_windows])
+        vectors = pooled[: len(texts)]
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        unit: np.ndarray = vectors / np.clip(norms, 1e-12, None)
+        return unit, sum(lengths)
 
     @staticmethod
-    def _run(session: onnxruntime.InferenceSession, encodings: list[Encoding]) -> np.ndarray:
-        width = max(len(e.ids) for e in encodings)
-        ids = np.zeros((len(encodings), width), dtype=np.int64)  # 0 is [PAD]
+    def _pool(session: onnxruntime.InferenceSession, windows: list[Encoding]) -> np.ndarray:
+        """Each window's token states averaged over its attention mask; not yet normalised."""
+        width = max(len(w) for w in windows)
+        ids = np.zeros((len(windows), width), dtype=np.int64)  # 0 is [PAD]
         mask = np.zeros_like(ids)
         types = np.zeros_like(ids)
-        for row, e in enumerate(encodings):
-            n = len(e.ids)
-            ids[row, :n] = e.ids
-            mask[row, :n] = e.attention_mask
-            types[row, :n] = e.type_ids
+        for row, w in enumerate(windows):
+            n = len(w)
+            ids[row, :n] = w.ids
+            mask[row, :n] = w.attention_mask
+            types[row, :n] = w.type_ids
         (hidden,) = session.run(
             ["last_hidden_state"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         )
         weights = mask[:, :, None].astype(np.float32)
-        pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
-        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-        unit: np.ndarray = pooled / np.clip(norms, 1e-12, None)
-        return unit
+        pooled: np.ndarray = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+        return pooled
 
 
 _encoder: MiniLMEncoder | None = None
