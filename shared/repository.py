@@ -327,14 +327,17 @@ async def get_write_outcomes(session: AsyncSession, write_ids: Iterable[str]) ->
 
 
 async def claim_write_id(
-    session: AsyncSession, write_id: str, project_id: str, memory_id: str
+    session: AsyncSession, write_id: str, project_id: str, memory_id: str, request_hash: str | None = None
 ) -> tuple[WriteOutcome, bool]:
     """Record a write as pending unless its id is known. Returns the record and whether this call owns the
     attempt: a new id, or one whose earlier attempt failed (a retry), or one left pending by a caller that
-    gave up (its publish may never have happened; the bus drops it if it did)."""
+    gave up (its publish may never have happened; the bus drops it if it did). The caller compares the
+    record's `request_hash` with its own before it uses the record."""
     inserted = await session.scalar(
         insert(WriteOutcome)
-        .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending")
+        .values(
+            write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending", request_hash=request_hash
+        )
         .on_conflict_do_nothing(index_elements=[WriteOutcome.write_id])
         .returning(WriteOutcome)
     )
@@ -342,6 +345,8 @@ async def claim_write_id(
         return inserted, True  # the common case: one round trip
     outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
     assert outcome is not None
+    if request_hash is not None and outcome.request_hash not in (None, request_hash):
+        return outcome, False  # the id belongs to another request: never this caller's to retry
     retried = await session.scalar(
         update(WriteOutcome)
         .where(

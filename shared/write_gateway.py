@@ -11,6 +11,8 @@ Either way the event goes to JetStream with a reply subject of this process, and
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -40,6 +42,20 @@ class BusUnavailable(Exception):
     pass
 
 
+class IdempotencyKeyReused(Exception):
+    """The write id (a client's Idempotency-Key) was first used for a different request."""
+
+    def __init__(self, write_id: str) -> None:
+        super().__init__(f"write {write_id} was first requested with a different body")
+        self.write_id = write_id
+
+
+def request_hash(event: MemoryWriteRequested) -> str:
+    """What makes two requests the same write: everything the client chose, not the ids and times of delivery."""
+    chosen = event.model_dump(mode="json", exclude={"event_id", "occurred_at", "reply_subject"})
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
 class WriteGateway:
     def __init__(self, nc: NatsClient, sessions: async_sessionmaker[AsyncSession], partitions: int) -> None:
         self._nc = nc
@@ -65,19 +81,24 @@ class WriteGateway:
             future.set_result(outcome)
 
     async def submit(
-        self, event: MemoryWriteRequested, *, timeout: float, fresh_id: bool = False
+        self, event: MemoryWriteRequested, *, timeout: float, fresh_id: bool = False, client_key: bool = False
     ) -> MemoryWriteOutcome | None:
         """The write's outcome, or None when the writer has not decided within `timeout` (it stays queued).
 
         `fresh_id`: the write id was generated for this call alone (no Idempotency-Key).
+        `client_key`: the write id comes from a client's Idempotency-Key, which must name one request only.
         Raises BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
+        Raises IdempotencyKeyReused when the id was first used for a different request.
         """
         if fresh_id:
             outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout)
             if outcome is None:  # so that the 202's write id can be looked up while it waits in the queue
                 await self._claim(event)
             return outcome
-        record, owned = await self._claim(event)
+        fingerprint = request_hash(event) if client_key else None
+        record, owned = await self._claim(event, fingerprint)
+        if fingerprint is not None and record.request_hash not in (None, fingerprint):
+            raise IdempotencyKeyReused(event.write_id)
         if record.status == "applied":
             return outcome_of(record)
         if not owned:
@@ -88,11 +109,15 @@ class WriteGateway:
             await self._release_claim(event.write_id)
             raise
 
-    async def _claim(self, event: MemoryWriteRequested) -> tuple[WriteOutcome, bool]:
+    async def _claim(
+        self, event: MemoryWriteRequested, fingerprint: str | None = None
+    ) -> tuple[WriteOutcome, bool]:
         """Record the write as pending unless its id is known: the stored record, and whether this call owns
         the attempt (see `repository.claim_write_id`)."""
         async with self._sessions() as session:
-            claimed = await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            claimed = await repo.claim_write_id(
+                session, event.write_id, event.project_id, event.memory_id, request_hash=fingerprint
+            )
             await session.commit()
         return claimed
 

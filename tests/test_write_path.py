@@ -31,15 +31,22 @@ async def test_idempotency_key_returns_the_first_outcome(
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     headers = {"Idempotency-Key": "order-42-fact-1"}
-    body = {"memory_id": memory["id"], "content": "Order 42 ships by express"}
+    body = {"memory_id": memory["id"], "content": "Order 42 ships by express", "metadata": {"a": 1, "b": 2}}
     first = await client.post("/memory-entries", json=body, headers=headers)
     assert first.status_code == 201
     again = await client.post("/memory-entries", json=body, headers=headers)
     assert again.status_code == 201 and again.json() == first.json()
-    # The key names the write, not the content: a retry that differs still gets the first outcome.
-    changed = await client.post("/memory-entries", json={**body, "content": "Other text"}, headers=headers)
-    assert changed.json()["id"] == first.json()["id"]
+    reordered = await client.post("/memory-entries", json={**body, "metadata": {"b": 2, "a": 1}}, headers=headers)
+    assert reordered.status_code == 201 and reordered.json() == first.json()
+    # A key names one request: reused for another body or another memory, it is refused, not answered with
+    # the first request's entry.
+    other_memory = (await client.post("/memories", json={"project_id": memory["project_id"], "name": "B"})).json()
+    for changed in ({**body, "content": "Other text"}, {**body, "tags": ["x"]}, {**body, "memory_id": other_memory["id"]}):
+        refused = await client.post("/memory-entries", json=changed, headers=headers)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["meta"]["write_id"] == first.json()["write_id"]
     assert await count_entries(sessions, memory["id"]) == 1
+    assert await count_entries(sessions, other_memory["id"]) == 0
     bad_key = await client.post("/memory-entries", json=body, headers={"Idempotency-Key": "has space"})
     assert bad_key.status_code == 400
 

@@ -98,6 +98,9 @@ class WriteOutcome(Base):
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
     failed_attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # The request that first claimed a client's Idempotency-Key (None without a key, and for the writer's
+    # own records): a later request with the key must be the same request.
+    request_hash: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _created()
 

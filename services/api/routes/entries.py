@@ -28,7 +28,7 @@ from shared.events import (
 from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.repository import HistoryRow
-from shared.write_gateway import BusUnavailable
+from shared.write_gateway import BusUnavailable, IdempotencyKeyReused
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
 
@@ -103,10 +103,14 @@ async def submit_write(
     await session.rollback()
     try:
         outcome = await request.app.state.gateway.submit(
-            event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id
+            event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id, client_key=not fresh_id
         )
     except BusUnavailable as exc:
         raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})") from exc
+    except IdempotencyKeyReused as exc:
+        raise ApiError(
+            409, "this Idempotency-Key was first used for a different request", meta={"write_id": exc.write_id}
+        ) from exc
     if outcome is None:
         accepted = WriteAccepted(write_id=event.write_id, status="pending")
         return JSONResponse(accepted.model_dump(), status_code=status.HTTP_202_ACCEPTED)
