@@ -248,8 +248,9 @@ async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
 def test_the_stored_records_name_every_column_the_writer_sets() -> None:
     """A column added to a table must be added to its record, or every write would store it empty."""
     set_by_server = {"id", "created_at", "updated_at"}
+    set_by_the_claim = {"request_hash"}  # kept by the writer's upsert (see the next test)
     for record, table in ((repo.OutcomeRow, WriteOutcome.__table__), (repo.HistoryRow, EntryHistory.__table__)):
-        assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server
+        assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server - set_by_the_claim
 
 
 async def test_outcomes_and_audit_records_are_stored_as_given(
@@ -258,7 +259,8 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
     project_id, memory_id = memory["project_id"], memory["id"]
     claimed, fresh = new_write_id(), new_write_id()
     async with sessions.begin() as session:
-        await repo.claim_write_id(session, claimed, project_id, memory_id)  # a pending claim to overwrite
+        # A pending claim to overwrite, whose client's request hash the writer's record must keep.
+        await repo.claim_write_id(session, claimed, project_id, memory_id, request_hash="h" * 64)
     outcomes = [
         repo.OutcomeRow(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
         repo.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
@@ -280,6 +282,7 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
     expected = [outcomes[0], outcomes[2]]  # of a write id's records, the last is stored
     assert [repo.OutcomeRow(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
     assert len(stored) == 2
+    assert (stored[claimed].request_hash, stored[fresh].request_hash) == ("h" * 64, None)
     assert [repo.HistoryRow(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
         *history[:2], replace(history[2], score=None)
     ]
