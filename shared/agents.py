@@ -23,10 +23,12 @@ from pydantic import (
 
 from shared.events import (
     CONTENT_MAX_CHARS,
+    METADATA_MAX_DEPTH,
     TAG_MAX_CHARS,
     AgentContext,
     MemoryWriteRequested,
     SourceType,
+    nested_deeper_than,
     refuse_nul,
 )
 from shared.ids import new_write_id
@@ -146,6 +148,8 @@ def encode_content(content: Any) -> Any:
     left as it is: there is no input)."""
     if content is None or isinstance(content, str):
         return content
+    if nested_deeper_than(content, METADATA_MAX_DEPTH):
+        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
     return json.dumps(content, ensure_ascii=False, sort_keys=True)
 
 

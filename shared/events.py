@@ -31,12 +31,16 @@ def refuse_nul(value: str) -> str:
     return value
 
 
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+def nested_deeper_than(value: Any, levels: int) -> bool:
+    """Whether objects and arrays nest more than `levels` deep in a JSON value. Level by level, not
+    recursively: a client may send thousands of levels, and the answer must not cost a RecursionError."""
+    level = [value]
+    for _ in range(levels + 1):
+        containers = [item for item in level if isinstance(item, dict | list)]
+        if not containers:
+            return False
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return True
 
 
 def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -44,7 +48,7 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     as JSON, no NUL in any key or value."""
     if value is None:
         return None
-    if _depth(value) > METADATA_MAX_DEPTH:
+    if nested_deeper_than(value, METADATA_MAX_DEPTH):
         raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
     encoded = json.dumps(value, ensure_ascii=False)  # NUL comes out escaped, even without ensure_ascii
     if "\\u0000" in encoded:
@@ -55,7 +59,9 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 Text = Annotated[str, AfterValidator(refuse_nul)]
-Content = Annotated[str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)]
+StoredContent = Annotated[
+    str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)
+]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
 Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
@@ -112,7 +118,7 @@ class MemoryWriteRequested(Event):
 
     project_id: str
     memory_id: str
-    content: Content
+    content: StoredContent
     source_type: SourceType = SourceType.MANUAL
     tags: Tags | None = None
     metadata: Metadata = None

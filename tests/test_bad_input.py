@@ -50,15 +50,22 @@ async def test_ten_thousand_tags_and_non_string_tags(client: httpx.AsyncClient, 
                                                                    "tags": tags}), 400)
 
 
+def nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels - 1):
+        value = {"k": value}
+    return value
+
+
 async def test_huge_and_nested_metadata(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
-    nested: dict[str, Any] = {}
-    cursor = nested
-    for _ in range(200):
-        cursor["k"] = {}
-        cursor = cursor["k"]
-    too_deep = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Nested metadata",
-                                                          "metadata": nested})
-    assert_envelope(too_deep, 400)
+    # 600 levels parse, and used to exhaust the stack of a recursive depth check (a 500).
+    for levels in (200, 600):
+        too_deep = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Nested metadata",
+                                                              "metadata": nested(levels)})
+        assert_envelope(too_deep, 400)
+        deep_content = await client.post("/orchestration/memory-write",
+                                         json={"memory_id": memory["id"], "content": nested(levels)})
+        assert_envelope(deep_content, 400)
     shallow = {"a": {"b": {"c": [1, 2, {"d": "e"}]}}}
     accepted = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Shallow metadata",
                                                           "metadata": shallow})
@@ -169,3 +176,21 @@ async def test_a_completed_turn_is_validated_before_it_is_published(
     response = await client.post("/generations/completed", json=body)
     assert_envelope(response, 400)
     assert [problem["field"] for problem in response.json()["error"]["meta"]["invalid_fields"]] == list(fields)
+
+
+def test_a_refused_value_is_the_clients_fault_only_when_the_client_chose_it() -> None:
+    from psycopg import DataError as DriverDataError
+    from psycopg import errors
+    from sqlalchemy.exc import DataError
+
+    from services.api.errors import _refused_client_value
+
+    def refused(orig: Exception) -> bool:
+        return _refused_client_value(DataError("SELECT 1", {}, orig))
+
+    assert refused(DriverDataError("PostgreSQL text fields cannot contain NUL (0x00) bytes"))
+    assert refused(errors.StringDataRightTruncation("value too long for type character varying(255)"))
+    assert refused(errors.InvalidTextRepresentation("invalid input syntax"))
+    # pgvector's "expected 384 dimensions" (22000) and other data exceptions are the service's bugs: a 500.
+    assert not refused(errors.DataException("expected 384 dimensions, not 768"))
+    assert not refused(errors.DivisionByZero("division by zero"))

@@ -79,6 +79,17 @@ def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
     return envelope(400, "request validation failed", meta=meta)
 
 
+# SQLSTATEs of a value the client chose that PostgreSQL cannot store: too long, out of range, not valid in the
+# encoding, not valid for the column's type.
+_CLIENT_VALUE_STATES = frozenset({"22001", "22003", "22021", "22P02", "22P05"})
+
+
+def _refused_client_value(exc: DataError) -> bool:
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    # psycopg refuses a NUL in a text parameter itself, before any statement reaches the server.
+    return sqlstate in _CLIENT_VALUE_STATES or (sqlstate is None and "NUL" in str(exc.orig))
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -100,11 +111,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DataError)
     async def unstorable_value(_request: Request, exc: DataError) -> JSONResponse:
-        # A value the request models let through but the database refuses (SQLSTATE class 22, or a NUL
-        # the driver will not send): the request's fault, so a 400, but logged as a gap in validation.
+        if not _refused_client_value(exc):  # e.g. a vector of the wrong dimensions: our fault, not the client's
+            log.exception("database error", exc_info=exc)
+            return envelope(500, "internal error")
+        # A value the request models let through but the database refuses: the client's, so a 400, and a
+        # gap in validation worth a warning.
         log.warning("value refused by the database: %s", exc.orig)
-        reason = str(exc.orig).splitlines()[0] if exc.orig is not None else "invalid value"
-        return envelope(400, f"a value in the request cannot be stored: {reason}")
+        return envelope(400, f"a value in the request cannot be stored: {str(exc.orig).splitlines()[0]}")
 
     @app.exception_handler(DBAPIError)
     async def database_error(_request: Request, exc: DBAPIError) -> JSONResponse:

@@ -21,12 +21,12 @@ from shared.events import (
     EntryState,
     Metadata,
     SourceType,
+    StoredContent,
     Tags,
     WriteAction,
     WritePolicy,
     refuse_nul,
 )
-from shared.events import Content as EventContent
 
 
 def _not_blank(value: str) -> str:
@@ -43,7 +43,7 @@ Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
 OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(refuse_nul)]
 Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(refuse_nul)]
-Content = Annotated[EventContent, AfterValidator(_not_blank)]
+Content = Annotated[StoredContent, AfterValidator(_not_blank)]
 # Numbers must be JSON numbers: "0.5" or true is a client bug to report, not to guess at.
 Threshold = Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 

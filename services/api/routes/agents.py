@@ -80,14 +80,15 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
 class OrchestrationWrite(Strict):
     memory_id: str
     # The rules of every other write apply to the text as it will be stored: after encoding, after flattening.
+    # The published schema shows what a client may send, not the text it becomes.
     content: Annotated[
         Content | None,
-        BeforeValidator(encode_content),
+        BeforeValidator(encode_content, json_schema_input_type=Any),
         Field(description="the mapped input; a non-string is stored JSON-encoded"),
     ]
     tags: Annotated[
         Tags | None,
-        BeforeValidator(flatten_tags),
+        BeforeValidator(flatten_tags, json_schema_input_type=list[str] | dict[str, str | int | float | bool] | None),
         Field(description='a list, or a {key: value} map stored as "key:value" tags'),
     ] = None
     metadata: Metadata = None
