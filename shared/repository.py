@@ -119,10 +119,12 @@ def _visible(row: Any, project_id: str | None) -> Any:
 async def get_memory(
     session: AsyncSession, project_id: str | None, memory_id: str, *, for_change: bool = False
 ) -> Memory | None:
-    """`for_change`: row-locked for the rest of the transaction, so concurrent edits and deletes of the
-    memory take turns, and one that finds it deleted meanwhile sees it gone."""
+    """`for_change`: locked for the rest of the transaction, the memory's decisions (`lock_memory`: writer
+    decisions and entry edits wait) and then its row (other edits and deletes of the memory wait), in the
+    writer's order; one that finds it deleted meanwhile sees it gone."""
     if not for_change:
         return _visible(await session.get(Memory, memory_id), project_id)
+    await lock_memory(session, memory_id)
     return _visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
 
 
@@ -326,6 +328,12 @@ async def get_write_outcomes(session: AsyncSession, write_ids: Iterable[str]) ->
     return {row.write_id: row for row in rows}
 
 
+def claimed_by_another_request(outcome: WriteOutcome, request_hash: str | None) -> bool:
+    """The write id (a client's key) was claimed for a request other than the one hashed (records from before
+    request hashes, and callers without one, are not compared)."""
+    return request_hash is not None and outcome.request_hash not in (None, request_hash)
+
+
 async def claim_write_id(
     session: AsyncSession, write_id: str, project_id: str, memory_id: str, request_hash: str | None = None
 ) -> tuple[WriteOutcome, bool]:
@@ -345,8 +353,8 @@ async def claim_write_id(
         return inserted, True  # the common case: one round trip
     outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
     assert outcome is not None
-    if request_hash is not None and outcome.request_hash not in (None, request_hash):
-        return outcome, False  # the id belongs to another request: never this caller's to retry
+    if claimed_by_another_request(outcome, request_hash):
+        return outcome, False  # never this caller's to retry
     retried = await session.scalar(
         update(WriteOutcome)
         .where(

@@ -46,14 +46,16 @@ class IdempotencyKeyReused(Exception):
     """The write id (a client's Idempotency-Key) was first used for a different request."""
 
     def __init__(self, write_id: str) -> None:
-        super().__init__(f"write {write_id} was first requested with a different body")
+        super().__init__(f"write {write_id} was first requested by a different request")
         self.write_id = write_id
 
 
 def request_hash(event: MemoryWriteRequested) -> str:
-    """What makes two requests the same write: everything the client chose, not the ids and times of delivery."""
-    chosen = event.model_dump(mode="json", exclude={"event_id", "occurred_at", "reply_subject"})
-    return hashlib.sha256(json.dumps(chosen, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    """What makes two requests the same write: the values the client chose, not the ids and times of delivery.
+    Defaults are left out, so a field added to the event later (always with a default) leaves the hash of a
+    retry that spans the upgrade unchanged."""
+    chosen = event.model_dump(mode="json", exclude={"event_id", "occurred_at", "reply_subject"}, exclude_defaults=True)
+    return hashlib.sha256(b"v1:" + json.dumps(chosen, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 class WriteGateway:
@@ -97,7 +99,7 @@ class WriteGateway:
             return outcome
         fingerprint = request_hash(event) if client_key else None
         record, owned = await self._claim(event, fingerprint)
-        if fingerprint is not None and record.request_hash not in (None, fingerprint):
+        if repo.claimed_by_another_request(record, fingerprint):
             raise IdempotencyKeyReused(event.write_id)
         if record.status == "applied":
             return outcome_of(record)

@@ -351,6 +351,9 @@ class WriteApplier:
     async def record_failure(self, event: MemoryWriteRequested, code: str, message: str) -> AppliedWrite:
         """A failed attempt is stored (not as an effect) so a retry with the same key can try again."""
         async with self._sessions.begin() as session:
+            # Under the memory's lock, like a decision: another delivery of this write applying it meanwhile
+            # must not be overwritten by this failure (a later retry would then apply it twice).
+            await repo.lock_memory(session, event.memory_id)
             stored = await repo.get_write_outcome(session, event.write_id)
             if stored is not None and stored.status == "applied":
                 return AppliedWrite(outcome_of(stored), None, replayed=True)

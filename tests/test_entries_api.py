@@ -191,3 +191,24 @@ async def test_an_entry_deleted_while_an_edit_waits_for_its_memory_is_404(
     response = await edit
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
+async def test_an_edits_content_wins_over_a_rewrite_made_while_it_waited(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    entry = (await write(client, memory["id"], "The office opens at nine")).json()
+    async with sessions.begin() as session:
+        await repo.lock_memory(session, memory["id"])
+        # The client sets the text it read; a merge rewrites the entry before the edit gets the lock.
+        edit = asyncio.create_task(client.put(f"/memory-entries/{entry['id']}", json={"content": entry["content"]}))
+        for _ in range(100):
+            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the edit never waited for the memory's lock")
+        await session.execute(text("UPDATE memory_entries SET content = 'Merged meanwhile' WHERE id = :id"),
+                              {"id": entry["id"]})
+    response = await edit
+    assert response.status_code == 200 and response.json()["content"] == entry["content"]
+    assert (await client.get(f"/memory-entries/{entry['id']}")).json()["content"] == entry["content"]

@@ -10,6 +10,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from shared import repository as repo
+
 
 async def test_requests_without_a_valid_token_are_401(client: httpx.AsyncClient) -> None:
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
@@ -187,3 +189,21 @@ async def test_a_memory_deleted_while_an_edit_waits_is_404(
     response = await edit
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
+async def test_a_memory_delete_waits_for_a_decision_in_progress_on_it(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """A writer decision or an entry edit holds the memory's lock; the delete's cascade must not land between
+    the entry it read and the row it writes."""
+    async with sessions.begin() as session:
+        await repo.lock_memory(session, memory["id"])
+        deleting = asyncio.create_task(client.delete(f"/memories/{memory['id']}"))
+        for _ in range(100):
+            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the delete did not wait for the memory's lock")
+        assert not deleting.done()
+    assert (await deleting).status_code == 204

@@ -9,15 +9,17 @@ from typing import Any
 
 import httpx
 import nats
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
+from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.embeddings import EmbeddingError
-from shared.events import MemoryWriteRequested
+from shared.events import DEFAULT_DUPLICATE_THRESHOLD, MemoryWriteRequested, utcnow
 from shared.ids import new_write_id
 from shared.settings import Settings
+from shared.write_gateway import request_hash
 from shared.writes import WriteApplier
 from tests.conftest import open_client
 
@@ -49,6 +51,16 @@ async def test_idempotency_key_returns_the_first_outcome(
     assert await count_entries(sessions, other_memory["id"]) == 0
     bad_key = await client.post("/memory-entries", json=body, headers={"Idempotency-Key": "has space"})
     assert bad_key.status_code == 400
+
+
+def test_the_request_hash_is_of_what_the_client_chose() -> None:
+    base = MemoryWriteRequested(event_id="wr_a", project_id="proj_a", memory_id="mem_a", content="A fact",
+                                metadata={"a": 1, "b": 2})
+    retry = base.model_copy(update={"event_id": "wr_b", "reply_subject": "inbox.1", "occurred_at": utcnow(),
+                                    "metadata": {"b": 2, "a": 1}, "duplicate_threshold": DEFAULT_DUPLICATE_THRESHOLD})
+    assert request_hash(retry) == request_hash(base)  # delivery details, key order and spelt-out defaults aside
+    for change in ({"content": "Another fact"}, {"memory_id": "mem_b"}, {"duplicate_threshold": 0.9}, {"tags": []}):
+        assert request_hash(base.model_copy(update=change)) != request_hash(base), change
 
 
 async def test_a_repeated_key_whose_entry_was_deleted_answers_409(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
@@ -253,3 +265,31 @@ async def test_change_feed_announces_edits_and_deletions(
         assert [(k["kind"], k["entry_id"]) for k in kinds] == [("updated", entry["id"]), ("deleted", entry["id"])]
     finally:
         await nc.close()
+
+
+async def test_a_failure_recorded_while_another_delivery_applies_the_write_keeps_the_applied_outcome(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async def unused(_texts: Any) -> list[list[float]]:
+        raise AssertionError("not called")
+
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Raced"
+    )
+    applied = repo.OutcomeRow(event.write_id, event.project_id, event.memory_id, "applied", "created", "mem_entry_x")
+    async with sessions.begin() as session:
+        # Another delivery of the same write is deciding it under the memory's lock.
+        await repo.lock_memory(session, memory["id"])
+        failing = asyncio.create_task(WriteApplier(sessions, unused, "m").record_failure(event, "INTERNAL_ERROR", "x"))
+        for _ in range(100):
+            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("recording the failure did not wait for the memory's lock")
+        await repo.save_records(session, [applied], [])
+    result = await failing
+    assert result.replayed and result.outcome.action == "created"
+    async with sessions() as session:
+        stored = await session.get(WriteOutcome, event.write_id)
+    assert stored is not None and stored.status == "applied"

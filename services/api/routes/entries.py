@@ -28,6 +28,7 @@ from shared.events import (
 from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.repository import HistoryRow
+from shared.settings import Settings
 from shared.write_gateway import BusUnavailable, IdempotencyKeyReused
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
@@ -179,32 +180,37 @@ async def update_entry(
         changes["tags"] = body.tags or None
     if "metadata" in body.model_fields_set:
         changes["metadata_"] = body.metadata
-    if "content" in body.model_fields_set:
-        if body.content is None:
-            raise ApiError(400, "content cannot be null", meta={"invalid_fields": ["content"]})
-        if body.content != entry.content:
-            try:
-                [vector] = await embed_texts(
-                    [body.content],
-                    model=settings.embedding_model,
-                    dimensions=settings.embedding_dimensions,
-                    purpose="write",
-                )
-            except EmbeddingError as exc:
-                raise ApiError(503, str(exc)) from exc
-            changes.update(
-                content=body.content,
-                content_hash=content_hash(body.content),
-                embedding=vector,
-                embedding_model=settings.embedding_model,
-            )
-    entry = await _locked(session, entry)  # the embedding above is computed before, not under, the lock
+    content = body.content
+    if "content" in body.model_fields_set and content is None:
+        raise ApiError(400, "content cannot be null", meta={"invalid_fields": ["content"]})
+    # Embedded before the lock, so that no model call holds up the memory's decisions.
+    vector = await _embedding(content, settings) if content is not None and content != entry.content else None
+    entry = await _locked(session, entry)
     before = entry.content
+    if content is not None and content != entry.content:
+        if vector is None:  # a decision rewrote the entry while this edit waited for the lock
+            vector = await _embedding(content, settings)
+        changes.update(
+            content=content,
+            content_hash=content_hash(content),
+            embedding=vector,
+            embedding_model=settings.embedding_model,
+        )
     entry = await repo.update_entry(session, entry, changes)
     await repo.save_records(session, [], [_edit_record(entry, "edited", before, entry.content)])
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
+
+
+async def _embedding(content: str, settings: Settings) -> list[float]:
+    try:
+        [vector] = await embed_texts(
+            [content], model=settings.embedding_model, dimensions=settings.embedding_dimensions, purpose="write"
+        )
+    except EmbeddingError as exc:
+        raise ApiError(503, str(exc)) from exc
+    return vector
 
 
 @router.delete(
