@@ -212,3 +212,16 @@ async def test_an_edits_content_wins_over_a_rewrite_made_while_it_waited(
     response = await edit
     assert response.status_code == 200 and response.json()["content"] == entry["content"]
     assert (await client.get(f"/memory-entries/{entry['id']}")).json()["content"] == entry["content"]
+
+
+async def test_null_for_an_optional_field_means_its_default(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # Generated clients send null for every optional field they were not given.
+    written = await write(client, memory["id"], "A fact from a generated client",
+                          source_type=None, duplicate_threshold=None, write_policy=None, tags=None, metadata=None)
+    assert written.status_code == 201, written.text
+    assert written.json()["source_type"] == "manual" and written.json()["tags"] is None
+    memory_body = {"project_id": memory["project_id"], "name": "Nulls", "write_policy": None, "description": None}
+    created = await client.post("/memories", json=memory_body)
+    assert created.status_code == 201 and created.json()["write_policy"] == "seed"
+    # A required field stays required.
+    assert (await write(client, memory["id"], None)).status_code == 400  # type: ignore[arg-type]

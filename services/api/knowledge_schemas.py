@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictInt, StringConstraints
+from pydantic import AfterValidator, BaseModel, Field, StrictInt, StringConstraints
+from pydantic import Strict as JsonTypesOnly
 
-from services.api.schemas import Timestamp
+from services.api.schemas import Strict, Timestamp
 from shared.agents import KnowledgeConfig, MemoryIdList, MinScore, TagPatternList
 from shared.events import CONTENT_MAX_CHARS, refuse_nul
 from shared.search import KnowledgeHit
@@ -16,12 +17,10 @@ Query = Annotated[str, StringConstraints(max_length=CONTENT_MAX_CHARS), AfterVal
 UserMessage = Annotated[str, AfterValidator(refuse_nul)]
 
 
-class KnowledgeSearch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class KnowledgeSearch(Strict):
     project_id: str | None = None
     query: Query | None = Field(default=None, description="ranked by similarity when given")
-    min_score: Annotated[MinScore, Strict()] | None = Field(default=None, description="cosine similarity, -1..1")
+    min_score: Annotated[MinScore, JsonTypesOnly()] | None = Field(default=None, description="cosine similarity, -1..1")
     limit: StrictInt | None = Field(default=None, description="default 10; clamped to 1..100")
     memory_ids: MemoryIdList = Field(default=[], description="a string is taken as a list of one")
     memory_tags: TagPatternList = Field(
@@ -29,9 +28,7 @@ class KnowledgeSearch(BaseModel):
     )
 
 
-class KnowledgeContextRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class KnowledgeContextRequest(Strict):
     project_id: str | None = None
     knowledge_config: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
     message: UserMessage | None = Field(default=None, description="the last user message: the query")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Generic, TypeVar
+from functools import cache
+from typing import Annotated, Any, Generic, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -13,6 +14,7 @@ from pydantic import (
     PlainSerializer,
     StrictFloat,
     StringConstraints,
+    model_validator,
 )
 
 from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
@@ -48,8 +50,31 @@ Content = Annotated[StoredContent, AfterValidator(_not_blank)]
 Threshold = Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
+@cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` whose value may be left out but cannot be null."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if not field.is_required() and field.default is not None and type(None) not in get_args(field.annotation)
+    )
+
+
 class Strict(BaseModel):
+    """A request body: unknown fields are refused, and null for a field that has a default and cannot be null
+    means that default (generated clients send null for every optional field they were not given)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_of_defaulted_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _null_means_default(cls)
+        if not any(data.get(name, 0) is None for name in defaulted):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name not in defaulted}
 
 
 # Projects -----------------------------------------------------------------------------------------
