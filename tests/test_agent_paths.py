@@ -329,11 +329,12 @@ async def test_orchestration_write_is_validated_as_stored(
     assert (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()["total"] == 0
 
 
-async def test_tool_write_refuses_a_nul_generation_id(
-    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+@pytest.mark.parametrize("generation_id", ["gen_\u0000", ""])
+async def test_tool_write_refuses_a_nul_or_blank_generation_id(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, generation_id: str
 ) -> None:
     model = llm.script("unused-nul", "x")
-    body = {"content": "A fact", "agent": agent(model, memory["id"]), "generation_id": "gen_\u0000",
+    body = {"content": "A fact", "agent": agent(model, memory["id"]), "generation_id": generation_id,
             "project_id": memory["project_id"]}
     response = await client.post("/tools/write_memory", json=body)
     assert response.status_code == 400, response.text

@@ -230,7 +230,7 @@ async def test_a_key_without_the_routes_action_is_forbidden(
             assert response.json()["error"]["code"] == "FORBIDDEN"
 
 
-# Static documents that tell nothing about any project, served without a credential.
+# Static documents that tell nothing about any project: any valid credential may read them.
 UNGUARDED = {("GET", f"{API_PREFIX}/tools/write_memory")}
 
 
@@ -368,3 +368,24 @@ async def test_the_admin_token_still_reaches_every_project(
     for tenant in tenants:
         assert (await client.get(f"/memory-entries/{tenant.target.entry_id}")).status_code == 200
         assert (await client.get(f"/memory-writes/{tenant.target.write_id}")).json()["status"] == "applied"
+
+
+async def test_the_tool_definition_needs_a_credential(client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant]) -> None:
+    assert (await client.get("/tools/write_memory", headers=bearer(tenants[0].secret))).status_code == 200
+    for headers in ({"Authorization": ""}, bearer("bogus")):
+        refused = await client.get("/tools/write_memory", headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "UNAUTHORIZED"
+
+
+@pytest.mark.parametrize("agent_fields", [{"api_base": "http://127.0.0.1:9/v1"}, {"api_key_env": "MEMORIES_ADMIN_TOKEN"}])
+async def test_a_project_key_cannot_point_the_writer_at_an_address_or_a_secret(
+    client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], agent_fields: dict[str, str]
+) -> None:
+    """The writer would call that address with the value of that variable from its own environment."""
+    target = tenants[0].target
+    body = {"content": "Alice likes tea", "generation_id": "gen_x",
+            "agent": {"model": "openai/anything", "knowledge_config": {"write_memory_id": target.memory_id},
+                      **agent_fields}}
+    refused = await client.post("/tools/write_memory", json=body, headers=bearer(tenants[0].secret))
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["meta"]["invalid_fields"] == [f"agent.{next(iter(agent_fields))}"]

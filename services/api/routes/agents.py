@@ -34,7 +34,7 @@ router = APIRouter(tags=["agents"])
 class WriteMemoryCall(Strict):
     content: Content
     agent: AgentSpec
-    generation_id: Text | None = Field(default=None, max_length=255)
+    generation_id: Text | None = Field(default=None, min_length=1, max_length=255)
     memory_id: str | None = Field(default=None, description="if given, must be the agent's write_memory_id")
     project_id: str | None = None
 
@@ -47,7 +47,7 @@ class ToolResult(BaseModel):
 
 
 @router.get("/tools/write_memory", summary="The write_memory tool definition (OpenAI tool format)")
-async def write_memory_definition() -> dict[str, Any]:
+async def write_memory_definition(_principal: PrincipalDep) -> dict[str, Any]:
     return WRITE_MEMORY_TOOL
 
 
@@ -58,6 +58,14 @@ async def write_memory_definition() -> dict[str, Any]:
     response_model_exclude_none=True,
 )
 async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSessionDep, principal: PrincipalDep) -> ToolResult:
+    if not principal.is_admin and (body.agent.api_base or body.agent.api_key_env):
+        # The writer would call that address with the secret of that variable from its own environment.
+        raise ApiError(
+            403,
+            "agent.api_base and agent.api_key_env are for the admin token only; a project key uses the model's "
+            "provider as the service is configured for it",
+            meta={"invalid_fields": [f for f in ("agent.api_base", "agent.api_key_env") if getattr(body.agent, f[6:])]},
+        )
     project_id = await resolve_project(session, principal, body.project_id)
     target = body.agent.knowledge_config.write_memory_id
     if body.memory_id is not None and body.memory_id != target:
