@@ -167,7 +167,7 @@ class ProvenanceCleared(BaseModel):
 
 
 @router.delete(
-    "/generations/{generation_id}/provenance",
+    "/generations/{generation_id:path}/provenance",  # `:path`: an id may hold a "/" (e.g. run/42)
     summary="A generation was deleted: entries forget it, the facts stay",
     dependencies=[require("memories:UpdateMemoryEntry")],
 )
@@ -178,7 +178,7 @@ async def forget_generation(
 
 
 @router.delete(
-    "/conversations/{conversation_id}/provenance",
+    "/conversations/{conversation_id:path}/provenance",
     summary="A conversation was deleted: entries forget it, the facts stay",
     dependencies=[require("memories:UpdateMemoryEntry")],
 )

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from nats.errors import Error as NatsError
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, Field, StrictBool, ValidationError
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Strict, Timestamp
 from shared import bus, registry
+from shared.agents import KnowledgeConfig
 from shared.events import ChatMessage, ExtractionSummary, GenerationAgent, GenerationCompleted, Text
 from shared.ids import new_id
 
@@ -47,6 +51,7 @@ class ExtractionStatus(BaseModel):
 async def generation_completed(
     body: CompletedTurn, request: Request, session: SessionDep, principal: PrincipalDep
 ) -> JSONResponse:
+    _check_knowledge_config(body.agent.knowledge_config)
     project_id = await resolve_project(session, principal, body.project_id)
     event = GenerationCompleted(
         event_id=new_id("evt_"), project_id=project_id, **body.model_dump(exclude={"project_id"})
@@ -67,8 +72,18 @@ async def generation_completed(
     return JSONResponse({"generation_id": event.generation_id, "status": "pending"}, status_code=202)
 
 
+def _check_knowledge_config(raw: dict[str, Any] | None) -> None:
+    """Refused here as on the tool route, rather than published and skipped by the extractor later (a config
+    on the bus that does not validate can only be skipped)."""
+    try:
+        KnowledgeConfig.parse(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": ("body", "agent", "knowledge_config", *error["loc"])} for error in exc.errors()]
+        raise RequestValidationError(errors) from exc
+
+
 @router.get(
-    "/{generation_id}/extraction",
+    "/{generation_id:path}/extraction",  # `:path`: an id may hold a "/" (e.g. run/42)
     summary="The extraction outcome of a generation: {candidates, created, updated, skipped, failed}",
     dependencies=[require("memories:ListMemoryEntries")],
 )
