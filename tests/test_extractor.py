@@ -197,6 +197,11 @@ async def test_failover_to_the_second_route_target_and_usage(
     assert [(u["model"], u["purpose"], u["ai_provider_id"]) for u in usage] == [
         ("scripted/secondary", "extraction", provider["id"])
     ]
+    # A provider that a route still names cannot go: the route would fail every call it serves, silently.
+    refused = await client.delete(f"/ai-providers/{provider['id']}")
+    assert refused.status_code == 409 and refused.json()["error"]["meta"]["model_route_ids"] == [route.json()["id"]]
+    assert (await client.delete(f"/model-routes/{route.json()['id']}")).status_code == 204
+    assert (await client.delete(f"/ai-providers/{provider['id']}")).status_code == 204
 
 
 async def test_a_turn_the_model_always_rejects_is_dead_lettered(

@@ -82,6 +82,12 @@ async def delete_provider(provider_id: str, session: SessionDep, _admin: AdminDe
     provider = await registry.get_provider(session, None, provider_id)
     if provider is None:
         raise not_found("AI provider", provider_id)
+    # A route left naming it would fail every call it serves, silently: the route must go or change first.
+    using = [r.id for r in await registry.list_routes(session, provider.project_id)
+             if any(t.get("ai_provider_id") == provider.id for t in r.targets)]
+    if using:
+        raise ApiError(409, f"AI provider {provider.id} is a target of model routes; delete them first",
+                       meta={"model_route_ids": using})
     await registry.delete_provider(session, provider)
     await session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
