@@ -202,13 +202,17 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
         return 2
 
     async def apply() -> None:
-        nc = await bus.connect(settings.nats_url or "", name="memories-bus-init")
+        nc = await bus.connect(settings.nats_url or "", name="memories-bus-init", one_shot=True)
         try:
             await bus.ensure_layout(nc.jetstream(), settings)
         finally:
             await nc.close()
 
-    asyncio.run(apply())
+    try:
+        asyncio.run(apply())
+    except bus.BusUnreachable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     print(f"streams and consumers applied ({settings.memories_partitions} partitions)")
     return 0
 

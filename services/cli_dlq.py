@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verbs = dlq.add_subparsers(dest="dlq_command", required=True)
     listing = verbs.add_parser("list", help="dead letters, oldest first")
     listing.add_argument("--origin", choices=ORIGINS, help="only those dead-lettered by this service")
-    listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100; 0 = all)")
+    listing.add_argument("--limit", type=_count, default=100, help="at most this many (default 100; 0 = all)")
     listing.add_argument("--json", action="store_true", help="one JSON object per line, with the body")
     listing.set_defaults(func=cmd_dlq_list)
     replay = verbs.add_parser("replay", help="republish to the original subject, then delete the dead letter")
@@ -36,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     replay.set_defaults(func=cmd_dlq_replay)
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
     nats_url = get_settings().nats_url
     if not nats_url:
@@ -43,13 +50,17 @@ def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | Non
         return None
 
     async def run() -> T:
-        nc = await bus.connect(nats_url, name="memories-dlq")
+        nc = await bus.connect(nats_url, name="memories-dlq", one_shot=True)
         try:
             return await work(nc.jetstream())
         finally:
             await nc.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except bus.BusUnreachable as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:

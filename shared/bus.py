@@ -220,14 +220,32 @@ async def dead_letter(js: JetStreamContext, origin: str, subject: str, body: byt
     metrics.observe_dead_letter(origin)
 
 
-async def connect(url: str, *, name: str) -> NatsClient:
-    return await nats.connect(
-        servers=url.split(","),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-    )
+class BusUnreachable(Exception):
+    """A one-shot command could not reach any NATS server."""
+
+
+async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
+    """A service retries the bus for as long as it is down; a one-shot command (`memories bus init`, `dlq`)
+    tries each server a few times, then raises BusUnreachable instead of hanging."""
+    if not one_shot:
+        return await nats.connect(
+            servers=url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
+        )
+
+    async def quiet(_error: Exception) -> None:  # each failed attempt; the caller reports the last
+        return None
+
+    try:
+        return await nats.connect(
+            servers=url.split(","),
+            name=name,
+            max_reconnect_attempts=3,
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            error_cb=quiet,
+        )
+    except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
+        raise BusUnreachable(f"cannot reach NATS at {url}: {type(exc).__name__} {exc}".rstrip()) from exc
 
 
 def is_outage(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.events import MemoryWriteRequested
 from shared.ids import new_write_id
-from shared.servers import EmbeddedNats
+from shared.servers import EmbeddedNats, free_port
 from shared.settings import Settings
 from tests.conftest import make_settings
 
@@ -216,3 +216,20 @@ async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
         async with sessions.begin() as session:
             await session.execute(text("DROP TRIGGER refuse_entry ON memory_entries"))
             await session.execute(text("DROP FUNCTION refuse_entry()"))
+
+
+def test_one_shot_commands_give_up_on_an_unreachable_bus() -> None:
+    env = {**os.environ, "NATS_URL": f"nats://127.0.0.1:{free_port()}"}  # nothing listens there
+    for command in (["bus", "init"], ["dlq", "list"]):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "services.cli", *command], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "cannot reach NATS" in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert time.monotonic() - started < 60, command
+
+
+def test_a_negative_dlq_limit_is_a_usage_error() -> None:
+    done = subprocess.run([sys.executable, "-m", "services.cli", "dlq", "list", "--limit", "-1"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "must be 0 or more" in done.stderr
