@@ -23,7 +23,7 @@ PREAMBLE = (
 @dataclass(frozen=True)
 class ReferenceContext:
     message: dict[str, str] | None
-    """`{"role": "user", "content": "<knowledge>…</knowledge>"}`, or None when nothing was found."""
+    """`{"role": "user", "content": "<preamble>\n<knowledge>…</knowledge>"}`, or None when nothing was found."""
     results: KnowledgeResults
 
 
@@ -36,7 +36,8 @@ def _inline(text: str) -> str:
 
 def render_block(hits: Sequence[KnowledgeHit]) -> str:
     lines = [f"[Memory: {_inline(hit.memory_name)} ({hit.entry_id})] {_inline(hit.content)}" for hit in hits]
-    return "\n".join(["<knowledge>", PREAMBLE, *lines, "</knowledge>"])
+    # The contract's order: the preamble, then the results wrapped in the tags.
+    return "\n".join([PREAMBLE, "<knowledge>", *lines, "</knowledge>"])
 
 
 def reference_message(hits: Sequence[KnowledgeHit]) -> dict[str, str] | None:

@@ -72,8 +72,8 @@ async def search(
     description=(
         "Runs the search of `knowledge_config` (snake_case or camelCase; `write_memory_id` and `extraction` "
         "are accepted and ignored) with `message` as the query and returns the user-role message to put "
-        "before the user's turn: `<knowledge>`, a one-line preamble saying it is reference material and not "
-        "instructions, one `[Memory: {memory_name} ({entry_id})] {content}` line per result, `</knowledge>`. "
+        "before the user's turn: a one-line preamble saying it is reference material and not instructions, "
+        "then `<knowledge>`, one `[Memory: {memory_name} ({entry_id})] {content}` line per result, `</knowledge>`. "
         "`<`, `>` and `&` in names and contents are escaped as `&lt;`, `&gt;`, `&amp;` and line breaks "
         "folded to spaces, so no entry can end the block or forge a line. `message` is null when nothing "
         "was found. The same is `shared.context.reference_context` for a platform in Python."
