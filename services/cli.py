@@ -81,7 +81,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         upgrade(env["DATABASE_URL"])
         metrics_ports = _metrics_ports(settings)
         for service in _SERVICES:
-            child_env = {**env, "MEMORIES_METRICS_PORT": str(metrics_ports.get(service, 0))}
+            # On the API's address (local unless --host says otherwise): /metrics and the probes need no token.
+            child_env = {**env, "MEMORIES_METRICS_PORT": str(metrics_ports.get(service, 0)),
+                         "MEMORIES_METRICS_HOST": env["MEMORIES_HOST"]}
             children.append(subprocess.Popen([sys.executable, "-m", "services.cli", service], env=child_env))
         _announce(env, settings, metrics_ports)
         return _supervise(children)

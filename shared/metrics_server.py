@@ -27,7 +27,7 @@ class MetricsServer:
     exception from it counts as not ready.
     """
 
-    def __init__(self, port: int, ready: ReadyCheck | None = None, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, ready: ReadyCheck | None = None, host: str = "127.0.0.1") -> None:
         self._host, self._port = host, port
         self._ready = ready
         self._server: asyncio.Server | None = None
@@ -38,6 +38,11 @@ class MetricsServer:
         if self._server is None or not self._server.sockets:
             return self._port
         return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses it listens on, once started."""
+        return [str(sock.getsockname()[0]) for sock in self._server.sockets] if self._server else []
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._serve, self._host, self._port)
@@ -103,6 +108,6 @@ async def serve_metrics(settings: Settings, ready: ReadyCheck | None = None) -> 
     """Start the server on MEMORIES_METRICS_PORT; None when that is 0 (off)."""
     if not settings.memories_metrics_port:
         return None
-    server = MetricsServer(settings.memories_metrics_port, ready)
+    server = MetricsServer(settings.memories_metrics_port, ready, host=settings.memories_metrics_host)
     await server.start()
     return server

@@ -52,8 +52,10 @@ class Settings(BaseSettings):
         "scripted/<name> by a deterministic in-process provider, never the network",
     )
 
-    # Metrics port of the writer and extractor processes (0 = off).
+    # Metrics port of the writer and extractor processes (0 = off), and the address it listens on: every
+    # interface in a container, where Prometheus and the probes come from outside; `memories up` keeps it local.
     memories_metrics_port: int = Field(default=0, ge=0, le=65535)
+    memories_metrics_host: str = "0.0.0.0"
 
     # Log lines of every process: one JSON object each, or text for a person (docs/operations.md).
     memories_log_format: str = Field(

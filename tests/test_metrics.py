@@ -315,10 +315,18 @@ async def test_serve_metrics_follows_the_metrics_port_setting(settings: Settings
     )
     assert server is not None and server.port == port
     try:
+        assert server.addresses == ["0.0.0.0"]  # in a container Prometheus and the probes come from outside
         async with httpx.AsyncClient(timeout=5) as http:
             assert (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
     finally:
         await server.stop()
+    local = await serve_metrics(settings.model_copy(update={"memories_metrics_port": free_port(),
+                                                            "memories_metrics_host": "127.0.0.1"}))
+    assert local is not None
+    try:
+        assert local.addresses == ["127.0.0.1"]  # as `memories up` runs it: unauthenticated, so not exposed
+    finally:
+        await local.stop()
 
 
 # --- the metrics as the services feed them ------------------------------------------------------------
