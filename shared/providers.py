@@ -79,17 +79,21 @@ def resolve_targets(
     default_route_id: str | None,
     service_model: str | None = None,
 ) -> list[Target]:
-    """The models to try in order. `providers` and `routes` are the project's own (isolation)."""
+    """The models to try in order. `providers` and `routes` are the project's own (isolation).
+
+    On a provider, the model is the first of: `extraction.model`, the override provider's `default_model`
+    (with `extraction.ai_provider_id`), the agent's `model`, the agent's provider's `default_model`."""
+    pinned = providers.get(agent.ai_provider_id) if agent.ai_provider_id else None
+    agent_model = agent.model or (pinned.default_model if pinned else None)
     if extraction.ai_provider_id:
         override = providers.get(extraction.ai_provider_id)
         if override is None:
             raise ResolutionError("extraction.ai_provider_id names no provider of this project")
-        return [_target(override, extraction.model or override.default_model)]
+        return [_target(override, extraction.model or override.default_model or agent_model)]
     if agent.ai_provider_id:
-        pinned = providers.get(agent.ai_provider_id)
         if pinned is None:
             raise ResolutionError("the agent's ai_provider_id names no provider of this project")
-        return [_target(pinned, extraction.model or agent.model or pinned.default_model)]
+        return [_target(pinned, extraction.model or agent_model)]
     if agent.model_route_id:
         return _route(agent.model_route_id, routes, providers)
     if default_route_id:

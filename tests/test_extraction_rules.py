@@ -117,6 +117,9 @@ ROUTES = {"route_1": [{"ai_provider_id": "aip_local", "model": "qwen"}, {"ai_pro
         # extraction.ai_provider_id wins; its default model, not the agent's model
         ({"ai_provider_id": "aip_local"}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["ollama/llama3"]),
         ({"ai_provider_id": "aip_local", "model": "phi3"}, {"model": "gpt-4o"}, None, ["ollama/phi3"]),
+        # an override without a default model falls back to the agent's model, then its provider's default
+        ({"ai_provider_id": "aip_bare"}, {"model": "claude-x"}, None, ["anthropic/claude-x"]),
+        ({"ai_provider_id": "aip_bare"}, {"ai_provider_id": "aip_openai"}, None, ["anthropic/gpt-4o-mini"]),
         # the agent's pinned provider: extraction.model → agent.model → provider default
         ({}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["openai/gpt-4o"]),
         ({"model": "o3"}, {"ai_provider_id": "aip_openai", "model": "gpt-4o"}, None, ["openai/o3"]),
