@@ -107,12 +107,14 @@ def _number(digits: str, suffix: str) -> str:
 class _Text:
     """One text split into the views the rules compare."""
 
-    __slots__ = ("capitalised", "values", "words")
+    __slots__ = ("capitalised", "sequence", "values", "words")
 
     def __init__(self, text: str) -> None:
         self.words: list[str] = []  # casefolded, contractions expanded, in order
         self.capitalised: set[str] = set()  # written with a capital somewhere other than a sentence start
         self.values: list[str] = []  # canonical numbers, times, dates
+        # Words and values ("#" + value) in text order: which value goes with which word.
+        self.sequence: list[str] = []
         s, prev_end, start, last_num = _fold(text), 0, True, None
         for m in _TOKEN.finditer(s):
             start = start or bool(_SENTENCE_END.search(s, prev_end, m.start()))
@@ -120,21 +122,28 @@ class _Text:
             last_num = None
             if num and word in MULTIPLIERS:  # "40 thousand"
                 self.values[-1] = _number(num, word)
+                self.sequence[-1] = "#" + self.values[-1]
             elif m["date"]:
-                self.values.append("d" + "-".join(p.zfill(2) for p in re.split(r"[-/]", m["date"])))
+                self._add_value("d" + "-".join(p.zfill(2) for p in re.split(r"[-/]", m["date"])))
             elif m["time"]:
                 h, mi = int(m["h"] or m["h24"]), int(m["mi"] or m["m24"] or 0)
                 if m["ap"]:
                     h = h % 12 + (12 if m["ap"].casefold() == "p" else 0)
-                self.values.append(f"t{h:02d}:{mi:02d}")
+                self._add_value(f"t{h:02d}:{mi:02d}")
             elif m["num"]:
-                self.values.append(_number(m["digits"], m["suffix"]))
+                self._add_value(_number(m["digits"], m["suffix"]))
                 last_num = None if m["suffix"] else m["digits"]
             else:
                 if not start and m["word"] != word:
                     self.capitalised.add(_stem(word))
+                added = len(self.words)
                 self._add_word(word)
+                self.sequence += self.words[added:]
             start = False
+
+    def _add_value(self, value: str) -> None:
+        self.values.append(value)
+        self.sequence.append("#" + value)
 
     def _add_word(self, w: str) -> None:
         if w.startswith("non-"):
@@ -217,10 +226,16 @@ def meaning_change(existing: str, incoming: str) -> str | None:
     capitalised = a.capitalised | b.capitalised  # a name stays a name when the other text lowercases it
     if _values(a, capitalised) != _values(b, capitalised):
         return "value"
-    ca = [_stem(w) for w in a.words if w not in STOPWORDS or w in RELATION_WORDS]
-    cb = [_stem(w) for w in b.words if w not in STOPWORDS or w in RELATION_WORDS]
+    ca, cb = _content(a), _content(b)
     only_a, only_b = Counter(ca) - Counter(cb), Counter(cb) - Counter(ca)
     # A name swapped for another ("Berlin" -> "Munich"), not merely added or dropped.
     if only_a and only_b and any(w in capitalised for w in only_a | only_b):
         return "value"
+    # The values keep their places among the words: "16 GB and 4 CPUs" / "4 GB and 16 CPUs" swap two.
     return "order" if _order_flipped(ca, cb) else None
+
+
+def _content(t: _Text) -> list[str]:
+    """The tokens the order rule compares: values, and stemmed words other than stopwords (the directional
+    ones stay, as pivots)."""
+    return [w if w.startswith("#") else _stem(w) for w in t.sequence if w not in STOPWORDS or w in RELATION_WORDS]

@@ -67,6 +67,13 @@ TABLE: list[tuple[str, str, str | None]] = [
     ("Alice manages Bob.", "Bob manages Alice.", "order"),
     ("Migrate billing before search.", "Migrate search before billing.", "order"),
     ("Helen earns more than Ian.", "Ian earns more than Helen.", "order"),
+    # The same values, swapped between the words they go with.
+    ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 4 GB RAM and 16 CPUs.", "order"),
+    ("Tom is 30 and Ann is 25.", "Tom is 25 and Ann is 30.", "order"),
+    ("The call moved from 3pm to 4pm.", "The call moved from 4pm to 3pm.", "order"),
+    ("Version 2 replaced version 3.", "Version 3 replaced version 2.", "order"),
+    ("The review moved from 2024-03-01 to 2024-04-01.", "The review moved from 2024-04-01 to 2024-03-01.", "order"),
+    ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 16 GB of RAM and 4 CPUs", None),
 ]
 
 # Contradictions the cheap rules do not see (would need a lexicon or a parser). Each scored
