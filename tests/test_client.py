@@ -147,6 +147,10 @@ async def test_errors_are_typed_with_the_envelope(memories: AsyncMemoriesClient,
     assert too_long.value.status == 413 and too_long.value.code == "PAYLOAD_TOO_LARGE"
     with pytest.raises(NotFound):
         await memories.list_entries("mem_0000000000000000")
+    with pytest.raises(MemoriesError) as empty_id:  # the server redirects "/memories/": not a deletion
+        await memories.delete_memory("")
+    assert empty_id.value.status == 307
+    assert (await memories.get_memory(target.id)).id == target.id
     with pytest.raises(MemoriesError) as no_search:
         await memories.search(project_id=target.project_id)
     assert isinstance(no_search.value, ValidationFailed) and "query" in no_search.value.meta["missing_fields"]
@@ -288,6 +292,7 @@ async def test_an_unreachable_service_is_a_typed_error() -> None:
             None,
         ),
         (200, "<html>a login page</html>", MemoriesError, "INVALID_RESPONSE"),
+        (307, "", MemoriesError, "HTTP_307"),  # e.g. an empty id: "/memories/" redirects to the list
     ],
 )
 def test_answers_that_are_not_the_api_still_raise_typed_errors(
