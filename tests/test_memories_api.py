@@ -207,3 +207,12 @@ async def test_a_memory_delete_waits_for_a_decision_in_progress_on_it(
             raise AssertionError("the delete did not wait for the memory's lock")
         assert not deleting.done()
     assert (await deleting).status_code == 204
+
+
+async def test_every_refused_field_has_the_same_shape(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    """`meta.invalid_fields` holds `{field, message}` objects, whether a model or a route refused the field."""
+    for body in ({"name": None}, {"write_policy": None}, {"name": ""}):
+        refused = await client.put(f"/memories/{memory['id']}", json=body)
+        assert refused.status_code == 400, refused.text
+        [problem] = refused.json()["error"]["meta"]["invalid_fields"]
+        assert problem["field"] == next(iter(body)) and isinstance(problem["message"], str)

@@ -36,6 +36,12 @@ class ApiError(Exception):
         self.meta = meta
 
 
+def invalid(message: str, *fields: str, status: int = 400) -> ApiError:
+    """A refusal of named fields, in the shape request validation gives: `meta.invalid_fields` of
+    `{field, message}`."""
+    return ApiError(status, message, meta={"invalid_fields": [{"field": f, "message": message} for f in fields]})
+
+
 def not_found(kind: str, identifier: str) -> ApiError:
     return ApiError(404, f"{kind} {identifier} not found")
 

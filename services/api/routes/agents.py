@@ -18,7 +18,7 @@ from services.api.deps import (
     resolve_project,
     scope,
 )
-from services.api.errors import ApiError
+from services.api.errors import ApiError, invalid
 from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
 from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
@@ -60,11 +60,11 @@ async def write_memory_definition(_principal: PrincipalDep) -> dict[str, Any]:
 async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSessionDep, principal: PrincipalDep) -> ToolResult:
     if not principal.is_admin and (body.agent.api_base or body.agent.api_key_env):
         # The writer would call that address with the secret of that variable from its own environment.
-        raise ApiError(
-            403,
+        raise invalid(
             "agent.api_base and agent.api_key_env are for the admin token only; a project key uses the model's "
             "provider as the service is configured for it",
-            meta={"invalid_fields": [f for f in ("agent.api_base", "agent.api_key_env") if getattr(body.agent, f[6:])]},
+            *(f"agent.{name}" for name in ("api_base", "api_key_env") if getattr(body.agent, name)),
+            status=403,
         )
     project_id = await resolve_project(session, principal, body.project_id)
     target = body.agent.knowledge_config.write_memory_id

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
-from services.api.errors import ApiError, envelope, not_found
+from services.api.errors import ApiError, envelope, invalid, not_found
 from services.api.pagination import PagingDep
 from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
@@ -182,7 +182,7 @@ async def update_entry(
         changes["metadata_"] = body.metadata
     content = body.content
     if "content" in body.model_fields_set and content is None:
-        raise ApiError(400, "content cannot be null", meta={"invalid_fields": ["content"]})
+        raise invalid("content cannot be null", "content")
     # Embedded before the lock, so that no model call holds up the memory's decisions.
     vector = await _embedding(content, settings) if content is not None and content != entry.content else None
     entry = await _locked(session, entry)

@@ -16,7 +16,7 @@ from services.api.deps import (
     resolve_project,
     scope,
 )
-from services.api.errors import ApiError, not_found
+from services.api.errors import invalid, not_found
 from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
@@ -91,9 +91,9 @@ async def list_memories(
 ) -> Page[MemoryOut]:
     project = await resolve_project(session, principal, project_id)
     if any(len(pattern) > TAG_MAX_CHARS for pattern in tags):
-        raise ApiError(400, f"tag patterns must be at most {TAG_MAX_CHARS} characters", meta={"invalid_fields": ["tags"]})
+        raise invalid(f"tag patterns must be at most {TAG_MAX_CHARS} characters", "tags")
     if any("\x00" in pattern for pattern in tags):
-        raise ApiError(400, "tag patterns must not contain NUL characters", meta={"invalid_fields": ["tags"]})
+        raise invalid("tag patterns must not contain NUL characters", "tags")
     rows, total = await repo.list_memories(session, project, tags, paging.limit, paging.offset)
     return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
 
@@ -115,7 +115,7 @@ async def update_memory(
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     for required in ("name", "write_policy"):
         if required in changes and changes[required] is None:
-            raise ApiError(400, f"{required} cannot be null", meta={"invalid_fields": [required]})
+            raise invalid(f"{required} cannot be null", required)
     if "write_policy" in changes:
         changes["write_policy"] = changes["write_policy"].value
     memory = await repo.update_memory(session, memory, changes)
