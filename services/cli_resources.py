@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -74,6 +75,23 @@ def json_object(text: str) -> dict[str, Any] | None:
     return value
 
 
+def nullable_text(text: str) -> str | None:
+    """A text option of an update, where the JSON `null` clears the field (as for --tags and --metadata)."""
+    return None if text == "null" else text
+
+
+def finite_number(text: str) -> float:
+    value = float(text)  # argparse turns its ValueError into a usage error
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text}")
+    return value
+
+
+def _printable(text: str) -> str:
+    # Stored text may come from agents and extraction: no escape sequence of it reaches the terminal.
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+
+
 def one_or_many(text: str) -> list[str]:
     """A filter value: a plain string, or a JSON array of them."""
     if text.lstrip().startswith("["):
@@ -106,7 +124,7 @@ def _plain(value: Any) -> Any:
 
 
 def _cell(value: Any) -> str:
-    text = " ".join(str(value if value is not None else "").split())
+    text = " ".join(_printable(str(value if value is not None else "")).split())
     return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
 
 
@@ -121,7 +139,7 @@ def print_record(record: dict[str, Any]) -> None:
     width = max(map(len, record), default=0)
     for name, value in record.items():
         shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else value
-        print(f"{name.ljust(width)}  {'' if shown is None else shown}")
+        print(f"{name.ljust(width)}  {'' if shown is None else _printable(str(shown))}")
 
 
 def show(result: Any, args: argparse.Namespace, columns: Sequence[Column] | None = None) -> None:
@@ -341,7 +359,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = verb("update-memory", "change the given fields of a memory")
     parser.add_argument("id")
     update_option(parser, "--name")
-    update_option(parser, "--description")
+    update_option(parser, "--description", type=nullable_text, help="null clears")
     update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
     verb("delete-memory", "delete a memory and its entries").add_argument("id")
 
@@ -350,7 +368,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--content", required=True)
     parser.add_argument("--tags", type=json_array, help="a JSON array of strings")
     parser.add_argument("--metadata", type=json_object, help="a JSON object")
-    parser.add_argument("--duplicate-threshold", type=float, help="0..1 (default 0.95)")
+    parser.add_argument("--duplicate-threshold", type=finite_number, help="0..1 (default 0.95)")
     parser.add_argument("--idempotency-key", help="a retry with the same key gets the first outcome")
     parser = verb("list-memory-entries", "list a memory's entries")
     parser.add_argument("--memory-id", required=True)
@@ -370,7 +388,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--memory-ids", type=one_or_many, nargs="+", action=Values, metavar="ID")
     parser.add_argument("--memory-tags", type=one_or_many, nargs="+", action=Values, metavar="GLOB")
     parser.add_argument("--limit", type=int, help="default 10, at most 100")
-    parser.add_argument("--min-score", type=float)
+    parser.add_argument("--min-score", type=finite_number)
     parser.add_argument("--project-id")
 
     parser = subparsers.add_parser(

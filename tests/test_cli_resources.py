@@ -110,8 +110,12 @@ async def test_memory_verbs(cli: Cli, project_id: str) -> None:
         None,
         "what customers like",
     )
+    cleared = await cli.json("update-memory", created["id"], "--description", "null")
+    assert cleared["description"] is None and cleared["name"] == "Preferences"
     code, out, _ = await cli("delete-memory", created["id"])
     assert code == 0 and out.strip() == f"deleted {created['id']}"
+    code, _, err = await cli("delete-memory", "")  # the server redirects "/memories/": not a deletion
+    assert code == 1 and "307" in err
     code, out, err = await cli("get-memory", created["id"])
     assert (code, out) == (1, "") and err.startswith("error: RESOURCE_NOT_FOUND: memory")
 
@@ -218,6 +222,10 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
     assert code == 2 and "JSON array of strings" in err
     code, _, err = await cli("create-memory", "--project-id", "proj_x")
     assert code == 2 and "--name" in err
+    for option in (["create-memory-entry", "--memory-id", memory_id, "--content", "x", "--duplicate-threshold", "nan"],
+                   ["search", "--query", "x", "--min-score", "inf"]):
+        code, _, err = await cli(*option)
+        assert code == 2 and "finite number" in err, err
     code, _, err = await cli("import", "/no/such/file.jsonl")
     assert code == 2 and "cannot read" in err
     assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
@@ -309,3 +317,11 @@ async def test_connection_settings(
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()
+
+
+async def test_stored_text_cannot_drive_the_terminal(cli: Cli, memory_id: str) -> None:
+    hostile = "Ordinary text\x1b]0;pwned\x07\x1b[31m red"
+    entry = await cli.json("create-memory-entry", "--memory-id", memory_id, "--content", hostile)
+    for verb in (["get-memory-entry", entry["entry"]["id"]], ["list-memory-entries", "--memory-id", memory_id]):
+        code, out, _ = await cli(*verb)
+        assert code == 0 and "Ordinary text" in out and "\x1b" not in out and "\x07" not in out, verb
