@@ -79,6 +79,8 @@ async def test_memory_round_trip(memories: AsyncMemoriesClient) -> None:
     assert isinstance(created, Memory) and created.id.startswith("mem_") and created.project_id == project.id
     await memories.create_memory("Billing", project_id=project.id, tags=["finance"])
     listed = await memories.list_memories(project_id=project.id, tags=["cust*", "nothing?"])
+    one_pattern = await memories.list_memories(project_id=project.id, tags="cust*")  # not c, u, s, t, *
+    assert [m.id for m in one_pattern.data] == [m.id for m in listed.data]
     assert [m.id for m in listed.data] == [created.id] and listed.total == 1
     assert (await memories.list_memories(project_id=project.id, limit=1)).total == 2
     assert await memories.get_memory(created.id) == created

@@ -72,8 +72,9 @@ def list_memories(
     limit: int | None = None,
     offset: int | None = None,
 ) -> Call[Page[Memory]]:
-    """`tags` are globs (`*`, `?`, case-insensitive), ORed."""
-    params = query(project_id=project_id, tags=list(tags or []), limit=limit, offset=offset)
+    """`tags` are globs (`*`, `?`, case-insensitive), ORed; one pattern may be given as a plain string."""
+    patterns = [tags] if isinstance(tags, str) else list(tags or [])  # not one pattern per character
+    params = query(project_id=project_id, tags=patterns, limit=limit, offset=offset)
     return Call("GET", "/memories", page(Memory), params=params)
 
 
