@@ -120,7 +120,8 @@ def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, 
     ]
     if not settings.memories_merge_model:
         lines.append(
-            "No LLM is configured here (none can be installed offline): agent merges fall back to create and "
+            "No LLM is configured here (none can be installed offline): agent merges fall back to create, "
+            "`arbitrate` memories to the `guarded` rule, and "
             "automatic extraction is off until a model is named - an agent's `model`, a project's AI provider "
             "or model route (/api/v1/ai-providers, /api/v1/model-routes), or MEMORIES_MERGE_MODEL."
         )

@@ -9,7 +9,7 @@ so no write can lose a fact.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from shared.events import WriteAction, WritePolicy
@@ -36,6 +36,7 @@ class Rule(StrEnum):
     GUARD = "guard"
     ARBITRATED = "arbitrated"
     ARBITRATION_FAILED = "arbitration_failed"
+    ARBITRATION_UNAVAILABLE = "arbitration_unavailable"
 
 
 class Operation(StrEnum):
@@ -98,10 +99,14 @@ async def decide(
     """Skip, merge, supersede or create.
 
     `nearest` is sorted by descending score. `consolidate` is given only on agent paths; `arbitrate` only
-    when the policy is ARBITRATE and a model is available. Any failure of either falls back to the seed.
+    when the policy is ARBITRATE and a model is available. A failed merge falls back to the seed's rule; an
+    arbitration that fails, or that no model can make, to the guarded rule (never skip a changed fact), so an
+    arbitrated memory never guards less than a guarded one.
     """
     if exact_match is not None:
         return Decision(WriteAction.SKIPPED, Rule.EXACT_COPY, exact_match)
+    if incoming.policy is WritePolicy.ARBITRATE and arbitrate is None:
+        return await _guarded_instead(Rule.ARBITRATION_UNAVAILABLE, incoming, nearest, consolidate)
     if incoming.policy is WritePolicy.ARBITRATE and arbitrate is not None:
         shortlist = [c for c in nearest if c.score >= ARBITRATION_FLOOR][:ARBITRATION_SHORTLIST]
         if not shortlist:
@@ -113,10 +118,16 @@ async def decide(
         decision = _apply_verdict(verdict)
         if decision is not None:
             return decision
-        fallback = await _seed_rule(incoming, nearest[0] if nearest else None, consolidate)
-        return Decision(fallback.action, f"{Rule.ARBITRATION_FAILED}:{fallback.rule}", fallback.target,
-                        fallback.merged_content)
+        return await _guarded_instead(Rule.ARBITRATION_FAILED, incoming, nearest, consolidate)
     return await _seed_rule(incoming, nearest[0] if nearest else None, consolidate)
+
+
+async def _guarded_instead(
+    why: Rule, incoming: IncomingWrite, nearest: list[Candidate], consolidate: Consolidate | None
+) -> Decision:
+    guarded = replace(incoming, policy=WritePolicy.GUARDED)
+    fallback = await _seed_rule(guarded, nearest[0] if nearest else None, consolidate)
+    return replace(fallback, rule=f"{why}:{fallback.rule}")
 
 
 def _apply_verdict(verdict: Arbitration | None) -> Decision | None:

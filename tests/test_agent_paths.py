@@ -247,9 +247,10 @@ async def test_arbitration_supersedes_a_reversed_preference(
         (arbitration_reply("skip"), "skipped"),
         (arbitration_reply("add", None), "created"),
         (arbitration_reply("update", 1, "Customer prefers phone calls now, email before."), "updated"),
-        (arbitration_reply("supersede", 7), "skipped"),  # a target outside the shortlist: seed rule
-        ("not json at all", "skipped"),  # malformed: seed rule (0.99 ≥ 0.95 → skipped)
-        (RuntimeError("timeout"), "skipped"),  # failed call: seed rule
+        # Unusable verdicts fall back to the guarded rule, which sees the reversal: created, not skipped.
+        (arbitration_reply("supersede", 7), "created"),  # a target outside the shortlist
+        ("not json at all", "created"),  # malformed
+        (RuntimeError("timeout"), "created"),  # failed call
     ],
 )
 async def test_arbitration_operations_and_fallbacks(

@@ -180,9 +180,19 @@ async def test_arbitration_is_not_asked_without_candidates_or_for_an_exact_copy(
         verdict(Operation.UPDATE, near(0.99), "  "),  # update without content
     ],
 )
-async def test_unusable_arbitration_falls_back_to_the_seed_rule(arbitrate) -> None:
+async def test_unusable_arbitration_falls_back_to_the_guarded_rule(arbitrate) -> None:
+    # The reversed fact is a contradiction the guard sees: created, never skipped as a near-copy.
     decision = await arbitrated(arbitrate, [near(0.99)])
-    assert decision.action is WriteAction.SKIPPED
-    assert decision.rule == f"arbitration_failed:{Rule.NEAR_DUPLICATE}"
+    assert decision.action is WriteAction.CREATED and decision.rule == "arbitration_failed:guard:order"
+    # A true near-copy is still skipped, and below the threshold an agent's write still merges.
+    same = await arbitrated(arbitrate, [near(0.99, REVERSED + "!")])
+    assert same.action is WriteAction.SKIPPED and same.rule == f"arbitration_failed:{Rule.NEAR_DUPLICATE}"
     below = await arbitrated(arbitrate, [near(0.8)], consolidate=merged)
     assert below.action is WriteAction.UPDATED and below.rule == f"arbitration_failed:{Rule.MERGED}"
+
+
+async def test_arbitration_without_a_model_is_the_guarded_rule_and_says_so() -> None:
+    decision = await arbitrated(None, [near(0.99)])
+    assert decision.action is WriteAction.CREATED and decision.rule == "arbitration_unavailable:guard:order"
+    same = await arbitrated(None, [near(0.99, REVERSED + "!")])
+    assert same.action is WriteAction.SKIPPED and same.rule == f"arbitration_unavailable:{Rule.NEAR_DUPLICATE}"
