@@ -7,7 +7,7 @@ import secrets
 import string
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -295,11 +295,12 @@ async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
     await session.execute(delete(MemoryEntry).where(MemoryEntry.id == entry.id))
 
 
-async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str, at: datetime) -> None:
+async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str) -> None:
+    """Retired at the transaction's time: the same instant as its replacement's `created_at`."""
     await session.execute(
         update(MemoryEntry)
         .where(MemoryEntry.id == entry_id)
-        .values(invalidated_at=at, superseded_by_entry_id=replacement_id, updated_at=func.now())
+        .values(invalidated_at=func.now(), superseded_by_entry_id=replacement_id, updated_at=func.now())
     )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Row
@@ -322,7 +321,7 @@ class WriteApplier:
         if decision.action is WriteAction.SUPERSEDED:
             assert target is not None
             # Retired, not rewritten: the old entry keeps its text and points at its replacement.
-            await repo.invalidate_entry(session, target.entry_id, entry_id, datetime.now(UTC))
+            await repo.invalidate_entry(session, target.entry_id, entry_id)
             return Written(entry_id, event.content), EntryChangeKind.SUPERSEDED
         return Written(entry_id, event.content), EntryChangeKind.CREATED
 

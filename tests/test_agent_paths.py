@@ -228,6 +228,8 @@ async def test_arbitration_supersedes_a_reversed_preference(
     assert retired["invalidated_at"] is not None and retired["superseded_by_entry_id"] == new["entry_id"]
     replacement = await get_entry(client, new["entry_id"])
     assert replacement["content"] == REVERSED and replacement["source_generation_id"] == "gen_new"
+    # One transaction, one instant: retired exactly when its replacement was created.
+    assert retired["invalidated_at"] == retired["updated_at"] == replacement["created_at"]
     listed = (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()
     assert [e["id"] for e in listed["data"]] == [new["entry_id"]]
     history = (await client.get(f"/memory-entries/{old['entry_id']}/history")).json()["data"]

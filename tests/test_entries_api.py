@@ -225,3 +225,13 @@ async def test_null_for_an_optional_field_means_its_default(client: httpx.AsyncC
     assert created.status_code == 201 and created.json()["write_policy"] == "seed"
     # A required field stays required.
     assert (await write(client, memory["id"], None)).status_code == 400  # type: ignore[arg-type]
+
+
+async def test_an_empty_edit_changes_nothing(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    entry = (await write(client, memory["id"], "A fact left alone")).json()
+    for url in (f"/memory-entries/{entry['id']}", f"/memories/{memory['id']}"):
+        before = (await client.get(url)).json()
+        after = await client.put(url, json={})
+        assert after.status_code == 200 and after.json()["updated_at"] == before["updated_at"], url
+    history = (await client.get(f"/memory-entries/{entry['id']}/history")).json()["data"]
+    assert [record["action"] for record in history] == ["created"]

@@ -196,6 +196,8 @@ async def update_entry(
             embedding=vector,
             embedding_model=settings.embedding_model,
         )
+    if not changes:  # nothing asked for: no new updated_at, no audit record of an edit that did nothing
+        return EntryOut.of(entry)
     entry = await repo.update_entry(session, entry, changes)
     await repo.save_records(session, [], [_edit_record(entry, "edited", before, entry.content)])
     await session.commit()

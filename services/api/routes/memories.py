@@ -118,6 +118,8 @@ async def update_memory(
             raise invalid(f"{required} cannot be null", required)
     if "write_policy" in changes:
         changes["write_policy"] = changes["write_policy"].value
+    if not changes:  # nothing asked for: updated_at keeps saying when something last changed
+        return MemoryOut.of(memory)
     memory = await repo.update_memory(session, memory, changes)
     await session.commit()
     return MemoryOut.of(memory)
