@@ -19,7 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from shared.client import UNSET, AsyncMemoriesClient, MemoriesClient, MemoriesError, Page
+from shared.client import (
+    UNSET,
+    AsyncMemoriesClient,
+    MemoriesClient,
+    MemoriesError,
+    Page,
+    SourceType,
+    WritePolicy,
+)
 from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines
 from shared.settings import get_settings
 
@@ -73,6 +81,9 @@ def json_object(text: str) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
+
+
+POLICIES = [policy.value for policy in WritePolicy]
 
 
 def nullable_text(text: str) -> str | None:
@@ -179,7 +190,8 @@ def delete_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
 
 def create_memory(client: MemoriesClient, args: argparse.Namespace) -> None:
     memory = client.create_memory(
-        args.name, project_id=args.project_id, description=args.description, tags=args.tags
+        args.name, project_id=args.project_id, description=args.description, tags=args.tags,
+        write_policy=args.write_policy,
     )
     show(memory, args)
 
@@ -191,6 +203,8 @@ def create_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
         tags=args.tags,
         metadata=args.metadata,
         duplicate_threshold=args.duplicate_threshold,
+        source_type=args.source_type,
+        write_policy=args.write_policy,
         idempotency_key=args.idempotency_key,
     )
     if args.json or written.entry is None:
@@ -222,7 +236,7 @@ VERBS: dict[str, Command] = {
     ),
     "get-memory": lambda c, a: show(c.get_memory(a.id), a),
     "update-memory": lambda c, a: show(
-        c.update_memory(a.id, **_changes(a, ("name", "description", "tags"))), a
+        c.update_memory(a.id, **_changes(a, ("name", "description", "tags", "write_policy"))), a
     ),
     "delete-memory": delete_memory,
     "create-memory-entry": create_entry,
@@ -351,6 +365,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--name", required=True)
     parser.add_argument("--description")
     parser.add_argument("--tags", type=json_array, help='a JSON array, e.g. \'["customer", "crm"]\'')
+    parser.add_argument("--write-policy", choices=POLICIES, help="how near-copies are decided (default seed)")
     parser = verb("list-memories", "list memories, optionally by tag globs (* and ?; ORed)")
     parser.add_argument("--project-id")
     parser.add_argument("--tags", type=one_or_many, nargs="+", action=Values, metavar="GLOB")
@@ -361,6 +376,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     update_option(parser, "--name")
     update_option(parser, "--description", type=nullable_text, help="null clears")
     update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
+    update_option(parser, "--write-policy", choices=POLICIES)
     verb("delete-memory", "delete a memory and its entries").add_argument("id")
 
     parser = verb("create-memory-entry", "write an entry through the dedup algorithm")
@@ -369,6 +385,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--tags", type=json_array, help="a JSON array of strings")
     parser.add_argument("--metadata", type=json_object, help="a JSON object")
     parser.add_argument("--duplicate-threshold", type=finite_number, help="0..1 (default 0.95)")
+    parser.add_argument("--source-type", choices=[t.value for t in SourceType], help="default manual")
+    parser.add_argument("--write-policy", choices=POLICIES, help="this write only; default: the memory's")
     parser.add_argument("--idempotency-key", help="a retry with the same key gets the first outcome")
     parser = verb("list-memory-entries", "list a memory's entries")
     parser.add_argument("--memory-id", required=True)

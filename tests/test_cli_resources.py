@@ -112,6 +112,9 @@ async def test_memory_verbs(cli: Cli, project_id: str) -> None:
     )
     cleared = await cli.json("update-memory", created["id"], "--description", "null")
     assert cleared["description"] is None and cleared["name"] == "Preferences"
+    guarded = await cli.json("create-memory", "--project-id", project_id, "--name", "G", "--write-policy", "guarded")
+    assert guarded["write_policy"] == "guarded"
+    assert (await cli.json("update-memory", guarded["id"], "--write-policy", "seed"))["write_policy"] == "seed"
     code, out, _ = await cli("delete-memory", created["id"])
     assert code == 0 and out.strip() == f"deleted {created['id']}"
     code, _, err = await cli("delete-memory", "")  # the server redirects "/memories/": not a deletion
@@ -325,3 +328,14 @@ async def test_stored_text_cannot_drive_the_terminal(cli: Cli, memory_id: str) -
     for verb in (["get-memory-entry", entry["entry"]["id"]], ["list-memory-entries", "--memory-id", memory_id]):
         code, out, _ = await cli(*verb)
         assert code == 0 and "Ordinary text" in out and "\x1b" not in out and "\x07" not in out, verb
+
+
+async def test_an_entry_with_its_source_type_and_this_writes_policy(cli: Cli, memory_id: str) -> None:
+    written = await cli.json("create-memory-entry", "--memory-id", memory_id, "--content", "Tom is 30 and Ann is 25",
+                             "--source-type", "agent", "--write-policy", "guarded")
+    assert written["action"] == "created" and written["entry"]["source_type"] == "agent"
+    swapped = await cli.json("create-memory-entry", "--memory-id", memory_id, "--content", "Tom is 25 and Ann is 30",
+                             "--write-policy", "guarded")
+    assert swapped["action"] == "created"  # the guard sees the swap that the seed rule would skip
+    code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--write-policy", "bold")
+    assert code == 2 and "invalid choice" in err
