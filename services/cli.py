@@ -261,9 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
     _configure_logging()
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ValidationError as exc:
+        if exc.title != Settings.__name__:
+            raise
+        # A setting from the environment that does not validate: say which, as a usage error, not a traceback.
+        for error in exc.errors():
+            name = str(error["loc"][0]).upper() if error["loc"] else "?"
+            print(f"invalid setting {name}: {error['msg']}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

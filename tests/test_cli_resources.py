@@ -339,3 +339,15 @@ async def test_an_entry_with_its_source_type_and_this_writes_policy(cli: Cli, me
     assert swapped["action"] == "created"  # the guard sees the swap that the seed rule would skip
     code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--write-policy", "bold")
     assert code == 2 and "invalid choice" in err
+
+
+def test_an_invalid_setting_is_named_not_a_traceback() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MEMORIES_PORT": "abc"}
+    done = subprocess.run([sys.executable, "-m", "services.cli", "bus", "init"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "invalid setting MEMORIES_PORT" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
