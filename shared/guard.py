@@ -33,7 +33,10 @@ NUMBER_WORDS |= {w: 10 * i for i, w in enumerate(["thirty", "forty", "fifty", "s
 ORDINAL_WORDS = {
     w: i for i, w in enumerate(["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"], 1)
 }
-MULTIPLIERS = {"k": 10**3, "thousand": 10**3, "m": 10**6, "million": 10**6, "bn": 10**9, "billion": 10**9}
+MULTIPLIERS = {
+    "k": 10**3, "hundred": 10**2, "thousand": 10**3, "m": 10**6, "million": 10**6, "bn": 10**9, "billion": 10**9
+}
+_MULTIPLIER_WORDS = frozenset({"hundred", "thousand", "million", "billion"})
 ORDINAL_SUFFIXES = frozenset({"st", "nd", "rd", "th"})
 _MONTH_NAMES = "january february march april may june july august september october november december"
 MONTHS = dict(zip(_MONTH_NAMES.split(), range(1, 13)))
@@ -174,8 +177,13 @@ def _negations(words: list[str], other: set[str]) -> int:
 
 def _values(t: _Text, capitalised: set[str]) -> Counter[str]:
     out = Counter(t.values)
-    for w in t.words:
-        if w in NUMBER_WORDS or w in ORDINAL_WORDS:
+    words = t.words
+    for i, w in enumerate(words):
+        if i and w in _MULTIPLIER_WORDS and words[i - 1] in NUMBER_WORDS:
+            continue  # counted with the number before it
+        if w in NUMBER_WORDS and i + 1 < len(words) and words[i + 1] in _MULTIPLIER_WORDS:
+            out[str(NUMBER_WORDS[w] * MULTIPLIERS[words[i + 1]])] += 1  # "one hundred" == "100"
+        elif w in NUMBER_WORDS or w in ORDINAL_WORDS:
             out[str(NUMBER_WORDS[w] if w in NUMBER_WORDS else ORDINAL_WORDS[w])] += 1
         elif "-" in w and all(p in NUMBER_WORDS for p in w.split("-")):
             out[str(sum(NUMBER_WORDS[p] for p in w.split("-")))] += 1  # "twenty-five"

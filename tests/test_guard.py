@@ -67,6 +67,10 @@ TABLE: list[tuple[str, str, str | None]] = [
     ("Alice manages Bob.", "Bob manages Alice.", "order"),
     ("Migrate billing before search.", "Migrate search before billing.", "order"),
     ("Helen earns more than Ian.", "Ian earns more than Helen.", "order"),
+    # A number in words is the same number: a paraphrase, not a changed value.
+    ("We handle 100 requests per second.", "We handle one hundred requests per second.", None),
+    ("We handle 100 requests per second.", "We handle two hundred requests per second.", "value"),
+    ("The budget is 5 hundred dollars.", "The budget is 500 dollars.", None),
     # The same values, swapped between the words they go with.
     ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 4 GB RAM and 16 CPUs.", "order"),
     ("Tom is 30 and Ann is 25.", "Tom is 25 and Ann is 30.", "order"),
