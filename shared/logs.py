@@ -28,6 +28,7 @@ _RECORD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None)._
     "message",
     "asctime",
     "taskName",  # Python 3.12+
+    "litellm_redacted",  # litellm's secret-redaction filter marks the records it scrubbed: not a field of ours
 }
 
 

@@ -48,6 +48,12 @@ def test_a_record_with_extra_fields_is_one_json_line_with_them() -> None:
     }
 
 
+def test_litellms_mark_on_a_record_it_scrubbed_is_not_a_field() -> None:
+    # litellm's secret-redaction filter stamps the records it passes with a private marker object.
+    parsed = json.loads(JsonFormatter().format(record("Shutting down", litellm_redacted=object(), write_id="wr_1")))
+    assert "litellm_redacted" not in parsed and parsed["write_id"] == "wr_1"
+
+
 def test_an_exception_stays_on_the_same_line_and_extras_cannot_replace_base_fields() -> None:
     try:
         raise ValueError("broken\nacross lines")
