@@ -123,9 +123,10 @@ class _Text:
             start = start or bool(_SENTENCE_END.search(s, prev_end, m.start()))
             prev_end, word, num = m.end(), (m["word"] or "").casefold(), last_num
             last_num = None
-            if num and word in MULTIPLIERS:  # "40 thousand"
+            if num and word in MULTIPLIERS:  # "40 thousand", "5 hundred thousand"
                 self.values[-1] = _number(num, word)
                 self.sequence[-1] = "#" + self.values[-1]
+                last_num = self.values[-1]  # a following multiplier multiplies again
             elif m["date"]:
                 self._add_value("d" + "-".join(p.zfill(2) for p in re.split(r"[-/]", m["date"])))
             elif m["time"]:
@@ -177,12 +178,16 @@ def _negations(words: list[str], other: set[str]) -> int:
 
 def _values(t: _Text, capitalised: set[str]) -> Counter[str]:
     out = Counter(t.values)
-    words = t.words
+    words, counted_until = t.words, 0
     for i, w in enumerate(words):
-        if i and w in _MULTIPLIER_WORDS and words[i - 1] in NUMBER_WORDS:
-            continue  # counted with the number before it
+        if i < counted_until:
+            continue  # a multiplier counted with the number before it
         if w in NUMBER_WORDS and i + 1 < len(words) and words[i + 1] in _MULTIPLIER_WORDS:
-            out[str(NUMBER_WORDS[w] * MULTIPLIERS[words[i + 1]])] += 1  # "one hundred" == "100"
+            value, counted_until = NUMBER_WORDS[w], i + 1
+            while counted_until < len(words) and words[counted_until] in _MULTIPLIER_WORDS:
+                value *= MULTIPLIERS[words[counted_until]]  # "one hundred thousand" == "100000"
+                counted_until += 1
+            out[str(value)] += 1
         elif w in NUMBER_WORDS or w in ORDINAL_WORDS:
             out[str(NUMBER_WORDS[w] if w in NUMBER_WORDS else ORDINAL_WORDS[w])] += 1
         elif "-" in w and all(p in NUMBER_WORDS for p in w.split("-")):
@@ -235,15 +240,23 @@ def meaning_change(existing: str, incoming: str) -> str | None:
     if _values(a, capitalised) != _values(b, capitalised):
         return "value"
     ca, cb = _content(a), _content(b)
-    only_a, only_b = Counter(ca) - Counter(cb), Counter(cb) - Counter(ca)
+    wa, wb = [w for w in ca if not w.startswith("#")], [w for w in cb if not w.startswith("#")]
+    only_a, only_b = Counter(wa) - Counter(wb), Counter(wb) - Counter(wa)
     # A name swapped for another ("Berlin" -> "Munich"), not merely added or dropped.
     if only_a and only_b and any(w in capitalised for w in only_a | only_b):
         return "value"
-    # The values keep their places among the words: "16 GB and 4 CPUs" / "4 GB and 16 CPUs" swap two.
-    return "order" if _order_flipped(ca, cb) else None
+    if _order_flipped(wa, wb):
+        return "order"
+    # Only when the shared values themselves trade places ("16 GB and 4 CPUs" / "4 GB and 16 CPUs") do they
+    # join the comparison: a phrase with one value moved elsewhere ("at 9am every Monday") is a paraphrase.
+    va, vb = [w for w in ca if w.startswith("#")], [w for w in cb if w.startswith("#")]
+    shared = Counter(va) & Counter(vb)
+    if _occurrences(va, shared) != _occurrences(vb, shared) and _order_flipped(ca, cb):
+        return "order"
+    return None
 
 
 def _content(t: _Text) -> list[str]:
-    """The tokens the order rule compares: values, and stemmed words other than stopwords (the directional
-    ones stay, as pivots)."""
+    """The tokens the order rule compares: values ("#…"), and stemmed words other than stopwords (the
+    directional ones stay, as pivots)."""
     return [w if w.startswith("#") else _stem(w) for w in t.sequence if w not in STOPWORDS or w in RELATION_WORDS]

@@ -71,6 +71,12 @@ TABLE: list[tuple[str, str, str | None]] = [
     ("We handle 100 requests per second.", "We handle one hundred requests per second.", None),
     ("We handle 100 requests per second.", "We handle two hundred requests per second.", "value"),
     ("The budget is 5 hundred dollars.", "The budget is 500 dollars.", None),
+    ("We serve 100 users.", "We serve one hundred thousand users.", "value"),  # every multiplier counts
+    ("It costs 500 dollars.", "It costs 5 hundred thousand dollars.", "value"),
+    # A phrase holding one value moved elsewhere is a paraphrase; so is a value spelt out beside new names.
+    ("Standup is at 9am every Monday.", "Every Monday at 9am there is a standup.", None),
+    ("Alice was born on 1990-04-12 in Paris.", "In Paris, on 1990-04-12, Alice was born.", None),
+    ("Alice has 2 kids.", "Alice has two kids, Ben and Cara.", None),
     # The same values, swapped between the words they go with.
     ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 4 GB RAM and 16 CPUs.", "order"),
     ("Tom is 30 and Ann is 25.", "Tom is 25 and Ann is 30.", "order"),
