@@ -115,7 +115,7 @@ def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, 
         f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs)",
         f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
         "Metrics: API " + f"{base}/metrics, "
-        + ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()),
+        + ", ".join(f"{name} http://{env['MEMORIES_HOST']}:{port}/metrics" for name, port in metrics_ports.items()),
         f"Embeddings: {settings.embedding_model} (in-process, offline)",
     ]
     if not settings.memories_merge_model:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,15 @@ def finite_number(text: str) -> float:
 
 
 def _printable(text: str) -> str:
-    # Stored text may come from agents and extraction: no escape sequence of it reaches the terminal.
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+    # Stored text may come from agents and extraction: no control character of it (ESC, BEL, C1 codes)
+    # reaches the terminal. Only controls: no-break spaces, joiners and direction marks are text.
+    return "".join("\ufffd" if unicodedata.category(ch) == "Cc" and ch not in "\n\t" else ch for ch in text)
+
+
+def _json_for_terminal(data: Any) -> str:
+    # json.dumps escapes the C0 controls itself; DEL and the C1 controls it leaves raw are escaped here.
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    return "".join(f"\\u{ord(ch):04x}" if "\x7f" <= ch <= "\x9f" else ch for ch in text)
 
 
 def one_or_many(text: str) -> list[str]:
@@ -156,7 +164,7 @@ def print_record(record: dict[str, Any]) -> None:
 def show(result: Any, args: argparse.Namespace, columns: Sequence[Column] | None = None) -> None:
     data = _plain(result)
     if args.json:
-        print(json.dumps(data, indent=2, ensure_ascii=False))
+        print(_json_for_terminal(data))
     elif isinstance(result, Page) and columns:
         print_table(data["data"], columns)
         print(f"({len(data['data'])} of {data['total']}, offset {data['offset']})")

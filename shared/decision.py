@@ -113,7 +113,7 @@ async def decide(
             return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)
         try:
             verdict = await arbitrate(incoming.content, shortlist)
-        except Exception:  # noqa: BLE001 - a failed call falls back to the seed's rule
+        except Exception:  # noqa: BLE001 - a failed call falls back to the guarded rule
             verdict = None
         decision = _apply_verdict(verdict)
         if decision is not None:
@@ -131,7 +131,7 @@ async def _guarded_instead(
 
 
 def _apply_verdict(verdict: Arbitration | None) -> Decision | None:
-    """The model's verdict as a decision, or None when it is unusable (then the seed's rule decides)."""
+    """The model's verdict as a decision, or None when it is unusable (then the guarded rule decides)."""
     if verdict is None:
         return None
     rule = f"{Rule.ARBITRATED}:{verdict.operation}"

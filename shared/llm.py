@@ -1,7 +1,8 @@
 """Completions through litellm, and the two model steps of the write path: merge and arbitration.
 
 Both steps are handed to `shared.decision.decide` as callables; any failure in them (timeout, provider
-error, unusable answer) surfaces as None there, and the decision falls back to the seed's rule.
+error, unusable answer) surfaces as None there, and the decision falls back (a merge to create, an
+arbitration to the guarded rule).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class ModelSteps:
         return parse_arbitration(completion.text, shortlist) if completion else None
 
     async def _ask(self, messages: list[dict[str, str]], purpose: str) -> Completion | None:
-        """One completion, kept for usage metering; a failure is logged and becomes None (the seed's rule)."""
+        """One completion, kept for usage metering; a failure is logged and becomes None (the decision's fallback)."""
         try:
             completion = await complete(messages, agent=self.agent, timeout=self._timeout, purpose=purpose)
         except LlmError as exc:

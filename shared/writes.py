@@ -418,10 +418,12 @@ def _history(
     model_steps: ModelSteps | None,
 ) -> HistoryRow:
     target = decision.target
-    asked_model = decision.rule.startswith(("arbitrated", "merged"))
+    # A rule names its fallbacks too ("arbitration_failed:merged"): whichever step asked a model counts.
+    steps = decision.rule.split(":")
+    asked_model = "arbitrated" in steps or "merged" in steps
     prompt_version = None
     if asked_model:
-        prompt_version = ARBITRATION_PROMPT_VERSION if decision.rule.startswith("arbitrated") else MERGE_PROMPT_VERSION
+        prompt_version = ARBITRATION_PROMPT_VERSION if "arbitrated" in steps else MERGE_PROMPT_VERSION
     changed_text = decision.action is WriteAction.UPDATED
     return HistoryRow(
         write_id=event.write_id,

@@ -328,6 +328,13 @@ async def test_stored_text_cannot_drive_the_terminal(cli: Cli, memory_id: str) -
     for verb in (["get-memory-entry", entry["entry"]["id"]], ["list-memory-entries", "--memory-id", memory_id]):
         code, out, _ = await cli(*verb)
         assert code == 0 and "Ordinary text" in out and "\x1b" not in out and "\x07" not in out, verb
+    # Only controls are replaced: no-break spaces, joiners and right-to-left text are text.
+    text = "Prix\u00a0: 10\u202f000\u00a0€ — مرحبا 👨\u200d👩\u200d👧 \x9b31m"
+    kept = await cli.json("create-memory-entry", "--memory-id", memory_id, "--content", text)
+    code, out, _ = await cli("get-memory-entry", kept["entry"]["id"])
+    assert code == 0 and text[:-5] in out and "\x9b" not in out
+    code, out, _ = await cli("get-memory-entry", kept["entry"]["id"], "--json")
+    assert code == 0 and "\x9b" not in out and json.loads(out)["content"] == text  # escaped, not lost
 
 
 async def test_an_entry_with_its_source_type_and_this_writes_policy(cli: Cli, memory_id: str) -> None:

@@ -286,3 +286,22 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
     assert [repo.HistoryRow(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
         *history[:2], replace(history[2], score=None)
     ]
+
+
+@pytest.mark.parametrize(
+    ("rule", "prompt_version"),
+    [("merged", "merge-v1"), ("arbitration_failed:merged", "merge-v1"), ("arbitrated:update", "arbitrate-v1"),
+     ("arbitration_failed:guard:order", None), ("near_duplicate", None)],
+)
+def test_the_audit_names_the_model_of_whichever_step_asked_it(rule: str, prompt_version: str | None) -> None:
+    from shared.decision import Candidate, Decision
+    from shared.events import AgentContext, WriteAction
+    from shared.llm import ModelSteps
+    from shared.writes import Written, _history
+
+    event = write({"id": "mem_a", "project_id": "proj_a"}, "A fact")
+    target = Candidate("mem_entry_a", "An old fact", 0.8)
+    decision = Decision(WriteAction.UPDATED if "merged" in rule else WriteAction.CREATED, rule, target, "Merged")
+    steps = ModelSteps(AgentContext(model="scripted/m"), timeout=1.0)
+    record = _history(event, decision, Written("mem_entry_a", "Merged"), [target], steps)
+    assert (record.model, record.prompt_version) == (("scripted/m" if prompt_version else None), prompt_version)

@@ -81,8 +81,8 @@ def error_of(response: httpx.Response) -> MemoriesError:
 
 
 def raise_for_error(response: httpx.Response) -> httpx.Response:
-    # Not only 4xx/5xx: the API never redirects, so a 3xx (e.g. an empty id: "/memories/" redirects to the
-    # list) did not do what was asked either.
+    # Not only 4xx/5xx: no API route answers with a redirect, so a 3xx (e.g. an empty id: "/memories/"
+    # redirects to the list) did not do what was asked either.
     if not response.is_success:
         raise error_of(response)
     return response
