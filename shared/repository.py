@@ -296,7 +296,9 @@ async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
 
 
 async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str) -> None:
-    """Retired at the transaction's time: the same instant as its replacement's `created_at`."""
+    """Retired at the transaction's time: the same instant as its replacement's `created_at`. That time is
+    when the transaction began, before it waited for the memory's lock, so an entry committed by another
+    transaction during that wait and retired by this one can show `invalidated_at` before its `created_at`."""
     await session.execute(
         update(MemoryEntry)
         .where(MemoryEntry.id == entry_id)
