@@ -4,6 +4,7 @@ running in-process against them."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.main import create_app
@@ -51,6 +53,22 @@ def server_urls() -> Iterator[tuple[str, str]]:
         for server in reversed(started):
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+_BLOCKED_BY_ME = text("SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))")
+
+
+async def wait_until_blocked_by(session: AsyncSession, what: str) -> None:
+    """Until another backend waits for a lock that this session's transaction holds: proof that the request
+    started meanwhile is parked behind it (a race made deterministic). Fails after ~5 s."""
+    for _ in range(100):
+        if await session.scalar(_BLOCKED_BY_ME):
+            return
+        await asyncio.sleep(0.05)
+    activity = (await session.execute(text(
+        "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid), left(query, 80) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"))).all()
+    raise AssertionError(f"{what} never waited for this transaction's lock; other backends: {activity}")
 
 
 def make_settings(server_urls: tuple[str, str], **overrides: Any) -> Settings:

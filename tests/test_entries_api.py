@@ -11,6 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
+from tests.conftest import wait_until_blocked_by
 
 ENTRY_FIELDS = {
     "id", "memory_id", "content", "source_type", "tags", "metadata", "source_generation_id",
@@ -180,13 +181,7 @@ async def test_an_entry_deleted_while_an_edit_waits_for_its_memory_is_404(
         # entry; the edit has read the entry by then and waits for the lock.
         await repo.lock_memory(session, memory["id"])
         edit = asyncio.create_task(client.request(url=f"/memory-entries/{entry['id']}", **change))
-        for _ in range(100):
-            waiting = await session.scalar(text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"))
-            if waiting:
-                break
-            await asyncio.sleep(0.05)
-        assert waiting, "the edit never waited for the memory's lock"
+        await wait_until_blocked_by(session, "the edit")
         await session.execute(text("DELETE FROM memory_entries WHERE id = :id"), {"id": entry["id"]})
     response = await edit
     assert response.status_code == 404, response.text
@@ -201,12 +196,7 @@ async def test_an_edits_content_wins_over_a_rewrite_made_while_it_waited(
         await repo.lock_memory(session, memory["id"])
         # The client sets the text it read; a merge rewrites the entry before the edit gets the lock.
         edit = asyncio.create_task(client.put(f"/memory-entries/{entry['id']}", json={"content": entry["content"]}))
-        for _ in range(100):
-            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the edit never waited for the memory's lock")
+        await wait_until_blocked_by(session, "the edit")
         await session.execute(text("UPDATE memory_entries SET content = 'Merged meanwhile' WHERE id = :id"),
                               {"id": entry["id"]})
     response = await edit

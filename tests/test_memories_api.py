@@ -11,6 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
+from tests.conftest import wait_until_blocked_by
 
 
 async def test_requests_without_a_valid_token_are_401(client: httpx.AsyncClient) -> None:
@@ -180,12 +181,7 @@ async def test_a_memory_deleted_while_an_edit_waits_is_404(
         # A concurrent DELETE that has not committed yet: the edit must wait for it, then find nothing.
         await session.execute(text("DELETE FROM memories WHERE id = :id"), {"id": memory["id"]})
         edit = asyncio.create_task(client.request(url=f"/memories/{memory['id']}", **change))
-        for _ in range(100):
-            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE NOT granted")):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the edit never waited for the delete")
+        await wait_until_blocked_by(session, "the edit")
     response = await edit
     assert response.status_code == 404, response.text
     assert response.json()["error"]["code"] == "RESOURCE_NOT_FOUND"
@@ -199,12 +195,7 @@ async def test_a_memory_delete_waits_for_a_decision_in_progress_on_it(
     async with sessions.begin() as session:
         await repo.lock_memory(session, memory["id"])
         deleting = asyncio.create_task(client.delete(f"/memories/{memory['id']}"))
-        for _ in range(100):
-            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the delete did not wait for the memory's lock")
+        await wait_until_blocked_by(session, "the delete")
         assert not deleting.done()
     assert (await deleting).status_code == 204
 
