@@ -24,10 +24,10 @@ from pydantic import (
 from shared.events import (
     CONTENT_MAX_CHARS,
     METADATA_MAX_DEPTH,
-    TAG_MAX_CHARS,
     AgentContext,
     MemoryWriteRequested,
     SourceType,
+    Tag,
     nested_deeper_than,
     refuse_nul,
 )
@@ -55,7 +55,7 @@ MemoryIdList = Annotated[
     Field(max_length=MAX_MEMORY_IDS),
 ]
 TagPatternList = Annotated[
-    list[Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]],
+    list[Tag],  # a pattern obeys the rules of a tag
     BeforeValidator(_one_or_many),
     Field(max_length=MAX_TAG_PATTERNS),
 ]
@@ -163,8 +163,9 @@ def orchestration_event(
     source_type: SourceType = SourceType.ORCHESTRATION,
     write_id: str | None = None,
 ) -> MemoryWriteRequested:
-    """An orchestration `memory_write` node's write, its content encoded and its tags flattened
-    (`encode_content`, `flatten_tags`). It carries no agent context, so it never merges."""
+    """An orchestration `memory_write` node's write, from content and tags already encoded and flattened
+    (`encode_content`, `flatten_tags`, applied where the request is read). It carries no agent context, so it
+    never merges."""
     return MemoryWriteRequested(
         event_id=write_id or new_write_id(),
         project_id=project_id,
