@@ -55,7 +55,11 @@ def server_urls() -> Iterator[tuple[str, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-_BLOCKED_BY_ME = text("SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))")
+# pg_locks, not pg_stat_activity: a transaction sees pg_stat_activity as it was at its first read of it, so a
+# backend that connected after the first poll would never show up; pg_locks is read afresh by every query.
+_BLOCKED_BY_ME = text(
+    "SELECT count(*) FROM pg_locks WHERE NOT granted AND pg_backend_pid() = ANY(pg_blocking_pids(pid))"
+)
 
 
 async def wait_until_blocked_by(session: AsyncSession, what: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import nats
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
@@ -21,7 +21,7 @@ from shared.ids import new_write_id
 from shared.settings import Settings
 from shared.write_gateway import request_hash
 from shared.writes import WriteApplier
-from tests.conftest import open_client
+from tests.conftest import open_client, wait_until_blocked_by
 
 
 async def count_entries(sessions: async_sessionmaker[AsyncSession], memory_id: str) -> int:
@@ -281,12 +281,7 @@ async def test_a_failure_recorded_while_another_delivery_applies_the_write_keeps
         # Another delivery of the same write is deciding it under the memory's lock.
         await repo.lock_memory(session, memory["id"])
         failing = asyncio.create_task(WriteApplier(sessions, unused, "m").record_failure(event, "INTERNAL_ERROR", "x"))
-        for _ in range(100):
-            if await session.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("recording the failure did not wait for the memory's lock")
+        await wait_until_blocked_by(session, "recording the failure")
         await repo.save_records(session, [applied], [])
     result = await failing
     assert result.replayed and result.outcome.action == "created"
