@@ -375,6 +375,25 @@ async def claim_write_id(
     return outcome, retried is not None
 
 
+async def fail_pending_write(session: AsyncSession, write_id: str, memory_id: str, code: str, message: str) -> bool:
+    """A write's pending record (a claim, or a 202's) becomes failed, so a retry with its key may try again and
+    its status stops saying pending; a record already applied or failed is left alone. False when there was
+    none to change."""
+    failed = await session.scalar(
+        update(WriteOutcome)
+        .where(WriteOutcome.write_id == write_id, WriteOutcome.memory_id == memory_id, WriteOutcome.status == "pending")
+        .values(
+            status="failed",
+            error_code=code,
+            error_message=message,
+            failed_attempts=WriteOutcome.failed_attempts + 1,
+            updated_at=func.now(),
+        )
+        .returning(WriteOutcome.write_id)
+    )
+    return failed is not None
+
+
 async def release_write_claim(session: AsyncSession, write_id: str) -> None:
     """The owner of a pending write could not publish it: age the claim so the next retry owns it at once
     instead of after STALE_PENDING. A publish that did land is harmless: the retry reuses its message id."""

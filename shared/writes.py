@@ -360,6 +360,13 @@ class WriteApplier:
             await self._store(session, [failed])
         return failed.applied
 
+    async def fail_pending(self, write_id: str, memory_id: str, code: str, message: str) -> bool:
+        """Record as failed a write known only by its ids (its event could not be read); see
+        `repository.fail_pending_write`. No memory lock: the one UPDATE waits for the row lock of a transaction
+        storing the write's outcome, then finds it no longer pending."""
+        async with self._sessions.begin() as session:
+            return await repo.fail_pending_write(session, write_id, memory_id, code, message)
+
 
 class ExactCopies:
     """The valid entries of a batch's (memory, content hash) pairs, read once under the locks and kept up to

@@ -213,6 +213,58 @@ async def test_malformed_write_events_are_dead_lettered(settings: Settings, writ
         await nc.close()
 
 
+async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # What an API of a newer version could publish to an older writer: a claimed write whose event does not
+    # validate here (a source type this writer does not know).
+    write_id = new_write_id()
+    async with sessions() as session:
+        await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+        await session.commit()
+    inbox = f"_INBOX.unreadable.{write_id}"
+    body = {"event_id": write_id, "project_id": memory["project_id"], "memory_id": memory["id"],
+            "content": "From the future", "source_type": "telepathy", "reply_subject": inbox}
+    nc = await nats.connect(settings.nats_url)
+    try:
+        replies = await nc.subscribe(inbox)
+        await nc.jetstream().publish(
+            bus.write_subject(memory["id"], settings.memories_partitions), json.dumps(body).encode(), stream=bus.WRITES_STREAM
+        )
+        # The waiting caller is answered at once instead of after its timeout (a 202 pending for ever).
+        reply = json.loads((await replies.next_msg(timeout=15)).data)
+    finally:
+        await nc.close()
+    assert reply["write_id"] == write_id and reply["error"]["code"] == "INTERNAL_ERROR"
+    status = (await client.get(f"/memory-writes/{write_id}")).json()
+    assert status["status"] == "failed" and "set aside for an operator" in status["error"]["message"]
+    # A retry with the key owns the write again (here: it is refused the same way, never applied twice).
+    async with sessions() as session:
+        _, owned = await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+        await session.rollback()
+    assert owned
+
+
+async def test_an_unreadable_event_fails_only_a_pending_record_of_its_own_memory(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    pending, applied = new_write_id(), new_write_id()
+    async with sessions.begin() as session:
+        await repo.claim_write_id(session, pending, memory["project_id"], memory["id"])
+        await repo.save_records(
+            session, [repo.OutcomeRow(applied, memory["project_id"], memory["id"], "applied", "created", "e")], []
+        )
+    async with sessions.begin() as session:
+        assert not await repo.fail_pending_write(session, applied, memory["id"], "INTERNAL_ERROR", "x")
+        assert not await repo.fail_pending_write(session, pending, "mem_another", "INTERNAL_ERROR", "x")
+        assert not await repo.fail_pending_write(session, new_write_id(), memory["id"], "INTERNAL_ERROR", "x")
+        assert await repo.fail_pending_write(session, pending, memory["id"], "INTERNAL_ERROR", "x")
+    async with sessions() as session:
+        stored = {w: await session.get(WriteOutcome, w) for w in (pending, applied)}
+    assert stored[applied] is not None and stored[applied].status == "applied"
+    assert stored[pending] is not None and (stored[pending].status, stored[pending].failed_attempts) == ("failed", 1)
+
+
 async def test_change_feed_announces_created_entries(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any]
 ) -> None:

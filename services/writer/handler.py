@@ -12,14 +12,16 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from shared import bus, metrics
 from shared.batching import Coalescer
-from shared.events import MemoryEntryChanged, MemoryWriteRequested
+from shared.events import MemoryEntryChanged, MemoryWriteOutcome, MemoryWriteRequested, WriteError
 from shared.ids import new_id
 from shared.logs import log_context
 from shared.settings import Settings
@@ -97,9 +99,13 @@ class WriteHandler:
         try:
             event = MemoryWriteRequested.model_validate_json(message.data)
         except ValidationError as exc:
-            with log_context(**_ids_of_undecodable(message.subject, message.data)):
+            payload = _payload_of(message.data)
+            write_id, memory_id = _text(payload, "event_id"), message.subject.rsplit(".", 1)[-1]
+            with log_context(write_id=write_id, memory_id=memory_id):
                 await self.dead_letter(message.subject, message.data, reason=f"invalid write event: {exc.errors()[:3]}")
-            await message.ack()
+                await message.ack()
+                if write_id is not None:
+                    await self._fail_unreadable(write_id, memory_id, _text(payload, "reply_subject"))
             return None
         if not message.subject.endswith(f".{event.memory_id}"):
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
@@ -107,6 +113,24 @@ class WriteHandler:
             await message.ack()
             return None
         return event
+
+    async def _fail_unreadable(self, write_id: str, memory_id: str, reply_subject: str | None) -> None:
+        """An event this writer cannot read (sent by a newer or broken API) is dead-lettered; its write must not
+        stay pending for ever, and its caller need not wait out the timeout: both are told it failed."""
+        reason = "the writer could not read this write's event; it was set aside for an operator"
+        try:
+            await self._applier.fail_pending(write_id, memory_id, "INTERNAL_ERROR", reason)
+        except Exception:  # the dead letter holds the write; only its status is stale
+            log.exception("could not record the unreadable write as failed")
+        if reply_subject is None:
+            return
+        try:
+            outcome = MemoryWriteOutcome(
+                write_id=write_id, error=WriteError(code="INTERNAL_ERROR", message=reason, status=500)
+            )
+            await self._nc.publish(reply_subject, outcome.model_dump_json().encode())
+        except (ValidationError, nats.errors.Error) as exc:  # ids or subject as broken as the rest of the event
+            log.warning("could not answer the unreadable write: %s", exc)
 
     async def _retry_or_give_up(self, message: Msg, event: MemoryWriteRequested, exc: Exception) -> None:
         delivered = message.metadata.num_delivered if message.metadata else 1
@@ -176,12 +200,15 @@ def _count(event: MemoryWriteRequested, applied: AppliedWrite) -> None:
         metrics.observe_write_decision(outcome.action.value, event.source_type.value, event.occurred_at)
 
 
-def _ids_of_undecodable(subject: str, body: bytes) -> dict[str, str | None]:
-    """What a log line can still say about a write event that does not validate: the memory id is the
-    subject's last token, the write id (the event id) whatever the payload holds, if it parses at all."""
+def _payload_of(body: bytes) -> dict[str, Any]:
+    """What can still be read of a write event that does not validate: its JSON object, if it parses at all."""
     try:
         payload = json.loads(body)
     except ValueError:
-        payload = None
-    found = payload.get("event_id") if isinstance(payload, dict) else None
-    return {"write_id": found if isinstance(found, str) else None, "memory_id": subject.rsplit(".", 1)[-1]}
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def _text(payload: dict[str, Any], key: str) -> str | None:
+    value = payload.get(key)
+    return value if isinstance(value, str) else None
