@@ -142,23 +142,50 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _columns_of(char: str) -> int:
+    """Terminal columns a character takes: two for wide ones (CJK, most emoji), none for combining marks and
+    joiners, one otherwise."""
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def display_width(text: str) -> int:
+    return sum(_columns_of(char) for char in text)
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * (width - display_width(text))
+
+
 def _cell(value: Any) -> str:
     text = " ".join(_printable(str(value if value is not None else "")).split())
-    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
+    if display_width(text) <= _CELL_WIDTH:
+        return text
+    kept, used = [], 0
+    for char in text:
+        used += _columns_of(char)
+        if used > _CELL_WIDTH - 1:  # a column left for the ellipsis
+            break
+        kept.append(char)
+    return "".join(kept) + "…"
 
 
 def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> None:
     cells = [[_cell(get(row)) for _, get in columns] for row in rows]
-    widths = [max([len(header), *(len(line[i]) for line in cells)]) for i, (header, _) in enumerate(columns)]
+    widths = [
+        max([display_width(header), *(display_width(line[i]) for line in cells)])
+        for i, (header, _) in enumerate(columns)
+    ]
     for line in [[header for header, _ in columns], *cells]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        print("  ".join(_pad(cell, width) for cell, width in zip(line, widths, strict=True)).rstrip())
 
 
 def print_record(record: dict[str, Any]) -> None:
-    width = max(map(len, record), default=0)
+    width = max(map(display_width, record), default=0)
     for name, value in record.items():
         shown = json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else value
-        print(f"{name.ljust(width)}  {'' if shown is None else _printable(str(shown))}")
+        print(f"{_pad(name, width)}  {'' if shown is None else _printable(str(shown))}")
 
 
 def show(result: Any, args: argparse.Namespace, columns: Sequence[Column] | None = None) -> None:

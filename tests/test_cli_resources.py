@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from services.cli import main
+from services.cli_resources import display_width, print_table
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings, get_settings
 from tests.conftest import ADMIN_TOKEN
@@ -358,3 +359,23 @@ def test_an_invalid_setting_is_named_not_a_traceback() -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode == 2 and "invalid setting MEMORIES_PORT" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_tables_line_up_wide_and_combining_characters(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [
+        {"content": "東京に住んでいる", "memory": "m1"},
+        {"content": "likes 🍣 and 🍵", "memory": "m2"},
+        {"content": "Cafe\u0301 au lait", "memory": "m3"},  # é as e and a combining accent
+        {"content": "plain", "memory": "m4"},
+    ]
+    print_table(rows, [("CONTENT", lambda row: row["content"]), ("MEMORY", lambda row: row["memory"])])
+    lines = capsys.readouterr().out.splitlines()
+    # Each MEMORY value starts at the same terminal column as its header.
+    starts = {display_width(line[: line.index(marker)]) for line, marker in zip(lines, ["MEMORY", "m1", "m2", "m3", "m4"])}
+    assert len(starts) == 1 and starts == {display_width("東京に住んでいる") + 2}
+
+
+def test_a_long_wide_cell_is_cut_to_its_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    print_table([{"content": "漢" * 100}], [("CONTENT", lambda row: row["content"])])
+    cell = capsys.readouterr().out.splitlines()[1]
+    assert cell.endswith("…") and display_width(cell) <= 60
