@@ -243,6 +243,24 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
         _, owned = await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
         await session.rollback()
     assert owned
+    # A reply subject as broken as the rest of the event: no answer, but the status is still set.
+    broken = {**body, "event_id": new_write_id(), "reply_subject": "not a subject"}
+    async with sessions() as session:
+        await repo.claim_write_id(session, broken["event_id"], memory["project_id"], memory["id"])
+        await session.commit()
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await nc.jetstream().publish(
+            bus.write_subject(memory["id"], settings.memories_partitions), json.dumps(broken).encode(), stream=bus.WRITES_STREAM
+        )
+    finally:
+        await nc.close()
+    for _ in range(100):
+        if (await client.get(f"/memory-writes/{broken['event_id']}")).json()["status"] == "failed":
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the write with a broken reply subject stayed pending")
 
 
 async def test_an_unreadable_event_fails_only_a_pending_record_of_its_own_memory(

@@ -124,12 +124,10 @@ class WriteHandler:
             log.exception("could not record the unreadable write as failed")
         if reply_subject is None:
             return
+        outcome = MemoryWriteOutcome(write_id=write_id, error=WriteError(code="INTERNAL_ERROR", message=reason, status=500))
         try:
-            outcome = MemoryWriteOutcome(
-                write_id=write_id, error=WriteError(code="INTERNAL_ERROR", message=reason, status=500)
-            )
             await self._nc.publish(reply_subject, outcome.model_dump_json().encode())
-        except (ValidationError, nats.errors.Error) as exc:  # ids or subject as broken as the rest of the event
+        except nats.errors.Error as exc:  # a reply subject as broken as the rest of the event
             log.warning("could not answer the unreadable write: %s", exc)
 
     async def _retry_or_give_up(self, message: Msg, event: MemoryWriteRequested, exc: Exception) -> None:
