@@ -94,8 +94,8 @@ class WriteGateway:
         """
         if fresh_id:
             outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout)
-            if outcome is None:  # so that the 202's write id can be looked up while it waits in the queue
-                await self._claim(event)
+            if outcome is None:
+                await self._record_pending(event)
             return outcome
         fingerprint = request_hash(event) if client_key else None
         record, owned = await self._claim(event, fingerprint)
@@ -122,6 +122,16 @@ class WriteGateway:
             )
             await session.commit()
         return claimed
+
+    async def _record_pending(self, event: MemoryWriteRequested) -> None:
+        """A published write the writer has not decided in time is recorded as pending, so that the 202's write
+        id can be looked up while it waits in the queue. The write is queued whether or not this succeeds: with
+        the database down (the likely reason the writer is late), the caller still gets its 202 and write id,
+        never an error for a write that will be applied; the writer's outcome creates the record later."""
+        try:
+            await self._claim(event)
+        except SQLAlchemyError:
+            log.warning("could not record write %s as pending; it stays queued", event.write_id, exc_info=True)
 
     async def _release_claim(self, write_id: str) -> None:
         try:

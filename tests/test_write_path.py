@@ -15,11 +15,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import bus
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.db.session import create_engine, session_factory
 from shared.embeddings import EmbeddingError
 from shared.events import DEFAULT_DUPLICATE_THRESHOLD, MemoryWriteRequested, utcnow
 from shared.ids import new_write_id
+from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
-from shared.write_gateway import request_hash
+from shared.write_gateway import WriteGateway, request_hash
 from shared.writes import WriteApplier
 from tests.conftest import open_client, wait_until_blocked_by
 
@@ -95,6 +97,27 @@ async def test_timeout_answers_202_and_the_outcome_is_readable_later(
         assert entry["content"] == "Slow fact"
         assert (await client.get("/memory-writes/wr_" + "0" * 32)).status_code == 404
         assert (await client.get("/memory-writes/garbage")).status_code == 404
+
+
+async def test_a_write_queued_while_the_database_is_down_answers_202_not_an_error(
+    settings: Settings, writers: list[Any], memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # The API's own database is unreachable after it published (the writer's still works, so it applies it).
+    unreachable = create_engine(f"postgresql+psycopg://postgres@{LOOPBACK}:{free_port()}/memories")
+    nc = await nats.connect(settings.nats_url)
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Queued in an outage"
+    )
+    try:
+        gateway = WriteGateway(nc, session_factory(unreachable), settings.memories_partitions)
+        await gateway.start()
+        # Not decided in time, and the pending record cannot be stored: still a 202 with its write id, since
+        # the write is queued and will be applied (a 503 would tell the caller it failed).
+        assert await gateway.submit(event, timeout=0.001, fresh_id=True) is None
+    finally:
+        await nc.close()
+        await unreachable.dispose()
+    assert (await _wait_applied(sessions, event.write_id)).action == "created"
 
 
 async def _publish_raw(settings: Settings, event: MemoryWriteRequested, msg_id: str) -> None:
