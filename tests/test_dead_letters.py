@@ -25,7 +25,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.main import Writer
-from shared import bus, dead_letters
+from shared import bus, dead_letters, metrics
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.events import MemoryWriteRequested
@@ -186,6 +186,10 @@ async def test_replay_all_of_one_origin_and_letters_that_cannot_be_replayed(dlq_
     assert dlq_bus.cli("replay", "1", "--origin", "writer").returncode == 2
 
 
+def _failures() -> float:
+    return metrics.REGISTRY.get_sample_value("memories_write_failures_total", {"code": "INTERNAL_ERROR"}) or 0.0
+
+
 async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
     dlq_bus: Bus, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
@@ -197,6 +201,7 @@ async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
         await session.execute(text(
             "CREATE TRIGGER refuse_entry BEFORE INSERT ON memory_entries FOR EACH ROW "
             f"WHEN (NEW.memory_id = '{dlq_bus.memory_id}') EXECUTE FUNCTION refuse_entry()"))
+    failures = _failures()
     try:
         event = MemoryWriteRequested(event_id=new_write_id(), project_id=dlq_bus.project_id,
                                      memory_id=dlq_bus.memory_id, content="The dock opens at five")
@@ -212,6 +217,7 @@ async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
             await asyncio.sleep(0.1)
         assert outcome is not None and outcome.status == "failed" and outcome.error_code == "INTERNAL_ERROR"
         assert "set aside for an operator" in (outcome.error_message or "")
+        assert _failures() == failures + 1  # once, not per try
     finally:
         async with sessions.begin() as session:
             await session.execute(text("DROP TRIGGER refuse_entry ON memory_entries"))

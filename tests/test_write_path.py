@@ -12,7 +12,7 @@ import nats
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus
+from shared import bus, metrics
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.db.session import create_engine, session_factory
@@ -245,6 +245,7 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
     async with sessions() as session:
         await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
         await session.commit()
+    failures = metrics.REGISTRY.get_sample_value("memories_write_failures_total", {"code": "INTERNAL_ERROR"}) or 0.0
     inbox = f"_INBOX.unreadable.{write_id}"
     body = {"event_id": write_id, "project_id": memory["project_id"], "memory_id": memory["id"],
             "content": "From the future", "source_type": "telepathy", "reply_subject": inbox}
@@ -259,6 +260,7 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
     finally:
         await nc.close()
     assert reply["write_id"] == write_id and reply["error"]["code"] == "INTERNAL_ERROR"
+    assert metrics.REGISTRY.get_sample_value("memories_write_failures_total", {"code": "INTERNAL_ERROR"}) == failures + 1
     status = (await client.get(f"/memory-writes/{write_id}")).json()
     assert status["status"] == "failed" and "set aside for an operator" in status["error"]["message"]
     # A retry with the key owns the write again (here: it is refused the same way, never applied twice).

@@ -118,6 +118,7 @@ class WriteHandler:
         """An event this writer cannot read (sent by a newer or broken API) is dead-lettered; its write must not
         stay pending for ever, and its caller need not wait out the timeout: both are told it failed."""
         reason = "the writer could not read this write's event; it was set aside for an operator"
+        metrics.observe_write_failure("INTERNAL_ERROR")
         try:
             await self._applier.fail_pending(write_id, memory_id, "INTERNAL_ERROR", reason)
         except Exception:  # the dead letter holds the write; only its status is stale
@@ -150,6 +151,7 @@ class WriteHandler:
         except Exception:  # the dead letter holds the write; only its status is stale
             log.exception("could not record the write as failed")
             return
+        _count(event, applied)
         if event.reply_subject:
             await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())
 
