@@ -335,7 +335,7 @@ def run_import(args: argparse.Namespace) -> int:
     _quiet_http_logs()
     try:
         data = Path(args.file).read_bytes()
-        text = data.decode()
+        text = data.decode("utf-8-sig")  # a byte order mark, as some editors write, is not part of line 1
     except (OSError, UnicodeDecodeError) as exc:
         print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2

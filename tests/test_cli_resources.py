@@ -296,6 +296,40 @@ async def test_import_counts_bad_lines_as_failed(cli: Cli, memory_id: str, tmp_p
     assert "line 3: unknown fields: contents" in err and "line 4: RESOURCE_NOT_FOUND" in err
 
 
+async def test_import_reads_the_file_as_its_editor_shows_it(cli: Cli, memory_id: str, tmp_path: Path) -> None:
+    # A byte order mark, Windows line ends, and line separators that JSON allows unescaped inside strings.
+    lines = [
+        json.dumps({"memory_id": memory_id, "content": "Wiki page\u2028second paragraph"}, ensure_ascii=False),
+        json.dumps({"memory_id": memory_id, "content": "Legacy\u0085export"}, ensure_ascii=False),
+        json.dumps({"memory_id": memory_id, "content": "   "}),
+        json.dumps({"memory_id": memory_id, "content": "Line four is fine"}),
+    ]
+    source = tmp_path / "editor.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    code, out, err = await cli("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 1 and (summary["lines"], summary["created"], summary["failed"]) == (4, 3, 1), err
+    # The failure names its line as the file numbers it, and the field the service refused.
+    assert summary["failures"] == [{"line": 3, "error": summary["failures"][0]["error"]}]
+    assert "VALIDATION_FAILED" in summary["failures"][0]["error"] and "content" in summary["failures"][0]["error"]
+    contents = [e["content"] for e in (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]]
+    assert "Wiki page\u2028second paragraph" in contents and "Legacy\u0085export" in contents
+
+
+async def test_import_refuses_a_key_first_used_for_another_line(cli: Cli, memory_id: str, tmp_path: Path) -> None:
+    source = tmp_path / "keys.jsonl"
+    first = {"memory_id": memory_id, "content": "Lunch is at noon", "idempotency_key": "crm-42"}
+    source.write_text(json.dumps(first) + "\n" + json.dumps({**first, "content": "Dinner is at eight"}) + "\n")
+    code, out, _ = await cli("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 1 and (summary["created"], summary["skipped"], summary["failed"]) == (1, 0, 1)
+    assert summary["failures"][0]["line"] == 2 and summary["failures"][0]["error"].startswith("CONFLICT")
+    # A re-run still counts the first line as imported, and still refuses the second.
+    code, out, _ = await cli("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 1 and (summary["already_imported"], summary["failed"]) == (1, 1)
+
+
 async def test_connection_settings(
     api_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

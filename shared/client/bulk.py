@@ -84,9 +84,13 @@ def file_digest(data: bytes) -> str:
 
 
 def parse_lines(text: str, digest: str, summary: ImportSummary) -> list[ImportLine]:
-    """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored."""
+    """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored.
+
+    Lines end at "\n" (a "\r" before it is dropped) and nowhere else: U+2028, U+0085 and the like may stand
+    unescaped inside a JSON string, and a file's line numbers are what its editor shows."""
     lines: list[ImportLine] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         summary.total += 1
@@ -139,7 +143,7 @@ async def import_lines(
                 project_id = (await client.get_memory(memory_id)).project_id
         except MemoriesError as exc:
             for line in batch:
-                summary.fail(line.number, f"{exc.code}: {exc.message}")
+                summary.fail(line.number, _reason(exc))
             on_progress(summary)
             return
         for line in batch:
@@ -156,10 +160,9 @@ async def _write(
     client: AsyncMemoriesClient, project_id: str, line: ImportLine, summary: ImportSummary
 ) -> None:
     try:
-        if await _already_written(client, project_id, line.idempotency_key):
-            summary.counts["skipped"] += 1
-            summary.already_imported += 1
-            return
+        already = await _already_written(client, project_id, line.idempotency_key)
+        # Sent even then: the service answers its first outcome only to the same request, and a 409 when the
+        # key was first used for another line (a record whose text changed since, a key given twice).
         written = await client.create_entry(
             line.memory_id,
             line.content,
@@ -168,9 +171,25 @@ async def _write(
             idempotency_key=line.idempotency_key,
         )
     except MemoriesError as exc:
-        summary.fail(line.number, f"{exc.code}: {exc.message}")
+        summary.fail(line.number, _reason(exc))
+        return
+    if already:
+        summary.counts["skipped"] += 1
+        summary.already_imported += 1
         return
     summary.counts[written.action.value if written.action else written.status] += 1
+
+
+def _reason(error: MemoriesError) -> str:
+    """The envelope's code and message, and the fields it names: in a large file, what to fix on the line."""
+    named = [
+        f"{problem.get('field')}: {problem.get('message')}" if isinstance(problem, dict) else str(problem)
+        for problem in error.meta.get("invalid_fields") or []
+    ]
+    for kind in ("missing_fields", "unknown_fields"):
+        if fields := error.meta.get(kind):
+            named.append(f"{kind.replace('_', ' ')}: {', '.join(map(str, fields))}")
+    return f"{error.code}: {error.message}" + (f" ({'; '.join(named)})" if named else "")
 
 
 async def _already_written(client: AsyncMemoriesClient, project_id: str, idempotency_key: str) -> bool:
