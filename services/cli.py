@@ -57,7 +57,7 @@ def _admin_token(settings: Settings) -> str:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from shared.db.migrate import upgrade
-    from shared.servers import EmbeddedNats, EmbeddedPostgres
+    from shared.servers import LOCAL_RUN_NATS_FILE, EmbeddedNats, EmbeddedPostgres
 
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             env["NATS_URL"] = nats_server.start()
             started.append(nats_server)
             log.info("embedded NATS at %s", env["NATS_URL"])
+        (settings.data_dir / LOCAL_RUN_NATS_FILE).write_text(env["NATS_URL"])
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
         env["MEMORIES_HOST"] = args.host or settings.memories_host
         env["MEMORIES_PORT"] = str(args.port or settings.memories_port)
@@ -96,6 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
+        (settings.data_dir / LOCAL_RUN_NATS_FILE).unlink(missing_ok=True)
         for server in reversed(started):
             server.stop()
 
@@ -198,14 +200,16 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
 
 def cmd_bus_init(_args: argparse.Namespace) -> int:
     from shared import bus
+    from shared.servers import NATS_URL_MISSING, nats_url_for
 
     settings = get_settings()
-    if not settings.nats_url:
-        print("NATS_URL is not set", file=sys.stderr)
+    nats_url = nats_url_for(settings.nats_url, settings.data_dir)
+    if not nats_url:
+        print(NATS_URL_MISSING, file=sys.stderr)
         return 2
 
     async def apply() -> None:
-        nc = await bus.connect(settings.nats_url or "", name="memories-bus-init", one_shot=True)
+        nc = await bus.connect(nats_url, name="memories-bus-init", one_shot=True)
         try:
             await bus.ensure_layout(nc.jetstream(), settings)
         finally:

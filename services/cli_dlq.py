@@ -12,6 +12,7 @@ from typing import TypeVar
 from nats.js import JetStreamContext
 
 from shared import bus, dead_letters
+from shared.servers import NATS_URL_MISSING, nats_url_for
 from shared.settings import get_settings
 
 ORIGINS = ("writer", "extractor")
@@ -44,9 +45,10 @@ def _count(text: str) -> int:
 
 
 def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
-    nats_url = get_settings().nats_url
+    settings = get_settings()
+    nats_url = nats_url_for(settings.nats_url, settings.data_dir)
     if not nats_url:
-        print("NATS_URL is not set", file=sys.stderr)
+        print(NATS_URL_MISSING, file=sys.stderr)
         return None
 
     async def run() -> T:

@@ -37,6 +37,21 @@ PG_SYSTEM_USER = "embedded_postgres"  # postgres refuses to run as root; the use
 OWNER_FILE = ".server-owner"  # "<pid> <create time>" of the process that launched the server on this data dir
 
 
+LOCAL_RUN_NATS_FILE = "nats_url"
+"""In a data directory: the NATS URL of the `memories up` running on it (written at its start, removed at its stop)."""
+
+NATS_URL_MISSING = "NATS_URL is not set, and no `memories up` is running on this data directory (MEMORIES_DATA_DIR)"
+
+
+def nats_url_for(configured: str | None, data_dir: Path) -> str | None:
+    """NATS_URL, else the bus of a `memories up` running on this data directory: one-shot commands (`bus init`,
+    `dlq`) find the local run's embedded server, whose port is chosen at each start."""
+    if configured:
+        return configured
+    noted = data_dir / LOCAL_RUN_NATS_FILE
+    return noted.read_text().strip() or None if noted.is_file() else None
+
+
 class ServerStartError(RuntimeError):
     def __init__(self, message: str, port_in_use: bool = False) -> None:
         super().__init__(message)

@@ -1,0 +1,70 @@
+"""`memories up`, the one command of the local run, as a user starts it: its own servers in its data directory,
+the three services, a write that goes through them, the one-shot commands finding its bus, and Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.servers import LOCAL_RUN_NATS_FILE, free_port
+
+_SERVER_SETTINGS = ("DATABASE_URL", "NATS_URL", "MEMORIES_ADMIN_TOKEN", "MEMORIES_URL", "MEMORIES_TOKEN")
+
+
+def _memories(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
+    root = Path(tempfile.mkdtemp(prefix="memories-up-"))
+    data, port = root / "data", free_port()
+    env = {name: value for name, value in os.environ.items() if name not in _SERVER_SETTINGS}
+    env |= {"MEMORIES_DATA_DIR": str(data), "MEMORIES_PORT": str(port)}
+    log = (root / "up.log").open("wb")
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert up.poll() is None, (root / "up.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the local run never became ready"
+            time.sleep(0.5)
+        headers = {"Authorization": f"Bearer {(data / 'admin_token').read_text().strip()}"}
+        with httpx.Client(base_url=f"{base}/api/v1", headers=headers, timeout=30) as client:
+            project = client.post("/projects", json={"name": "local"}).json()["id"]
+            memory = client.post("/memories", json={"project_id": project, "name": "notes"}).json()["id"]
+            written = client.post("/memory-entries", json={"memory_id": memory, "content": "The local run works"})
+            assert written.status_code == 201 and written.json()["action"] == "created"
+        # Without NATS_URL, the one-shot commands use the bus of the run on their data directory.
+        for command in (["bus", "init"], ["dlq", "list"]):
+            done = _memories(*command, env=env)
+            assert done.returncode == 0, (command, done.stderr)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(timeout=60)
+        finally:
+            if up.poll() is None:
+                up.kill()
+            log.close()
+    try:
+        assert code == 0, (root / "up.log").read_text()[-3000:]
+        assert not (data / LOCAL_RUN_NATS_FILE).exists()
+        stopped = _memories("dlq", "list", env=env)
+        assert stopped.returncode == 2 and "no `memories up` is running" in stopped.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
