@@ -144,9 +144,12 @@ async def test_tag_globs(client: httpx.AsyncClient, project: dict[str, Any]) -> 
     assert await _names(client, pid, "100__done") == []  # `_` is literal, not a wildcard
     assert await _names(client, pid, "%") == []  # `%` is literal
     assert len(await _names(client, pid)) == 6
-    for pattern, reason in [("t" * 129, "at most 128 characters"), ("a\x00b", "NUL")]:
+    # A pattern obeys a tag's rules, as a search's `memory_tags` do; `?tags=` is an empty pattern, not "no filter".
+    for pattern, reason in [("t" * 129, "at most 128 characters"), ("a\x00b", "NUL"), ("", "at least 1 character")]:
         refused = await client.get("/memories", params={"project_id": pid, "tags": [pattern]})
-        assert refused.status_code == 400 and reason in refused.json()["error"]["message"]
+        assert refused.status_code == 400, pattern
+        (problem,) = refused.json()["error"]["meta"]["invalid_fields"]
+        assert problem["field"].startswith("tags") and reason in problem["message"]
 
 
 async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project: dict[str, Any]) -> None:

@@ -20,13 +20,13 @@ from services.api.errors import invalid, not_found
 from services.api.pagination import PagingDep
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
+from shared.agents import MAX_TAG_PATTERNS
 from shared.db.models import Memory
-from shared.events import TAG_MAX_CHARS
+from shared.events import Tag
 from shared.ids import MEMORY_PREFIX, is_valid_id
 
 router = APIRouter(prefix="/memories", tags=["memories"])
 
-MAX_TAG_PATTERNS = 20
 
 
 async def load_memory(
@@ -87,13 +87,10 @@ async def list_memories(
     principal: PrincipalDep,
     paging: PagingDep,
     project_id: str | None = None,
-    tags: Annotated[list[str], Query(max_length=MAX_TAG_PATTERNS)] = [],  # noqa: B006 - FastAPI copies it
+    # A pattern obeys the rules of a tag, as in a search's `memory_tags`: an empty one (`?tags=`) is a 400.
+    tags: Annotated[list[Tag], Query(max_length=MAX_TAG_PATTERNS)] = [],  # noqa: B006 - FastAPI copies it
 ) -> Page[MemoryOut]:
     project = await resolve_project(session, principal, project_id)
-    if any(len(pattern) > TAG_MAX_CHARS for pattern in tags):
-        raise invalid(f"tag patterns must be at most {TAG_MAX_CHARS} characters", "tags")
-    if any("\x00" in pattern for pattern in tags):
-        raise invalid("tag patterns must not contain NUL characters", "tags")
     rows, total = await repo.list_memories(session, project, tags, paging.limit, paging.offset)
     return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
 
