@@ -49,7 +49,9 @@ def nats_url_for(configured: str | None, data_dir: Path) -> str | None:
     if configured:
         return configured
     noted = data_dir / LOCAL_RUN_NATS_FILE
-    return noted.read_text().strip() or None if noted.is_file() else None
+    if not noted.is_file():
+        return None
+    return noted.read_text().strip() or None
 
 
 class ServerStartError(RuntimeError):
