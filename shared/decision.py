@@ -84,6 +84,9 @@ class Decision:
 Consolidate = Callable[[str, str], Awaitable[str | None]]
 """(existing fact, incoming fact) -> one merged fact, or None when the model gave nothing usable."""
 
+Relatedness = Callable[[str, list[str]], Awaitable[list[float]]]
+"""(a text, facts) -> its cosine similarity to each fact: how a model's rewrite is checked to still state them."""
+
 Arbitrate = Callable[[str, list[Candidate]], Awaitable[Arbitration | None]]
 """(incoming fact, shortlist) -> a verdict, or None when the model gave nothing usable."""
 
@@ -95,6 +98,7 @@ async def decide(
     nearest: list[Candidate],
     consolidate: Consolidate | None = None,
     arbitrate: Arbitrate | None = None,
+    relatedness: Relatedness | None = None,
 ) -> Decision:
     """Skip, merge, supersede or create.
 
@@ -102,11 +106,15 @@ async def decide(
     when the policy is ARBITRATE and a model is available. A failed merge falls back to the seed's rule; an
     arbitration that fails, or that no model can make, to the guarded rule (never skip a changed fact), so an
     arbitrated memory never guards less than a guarded one.
+
+    A model's rewrite replaces a stored fact, so it must still state both facts it rewrites: with `relatedness`,
+    it must score at least the floor that let the two be rewritten together against each of them (a refusal,
+    an apology or a stray `[]` scores near 0). A rewrite that does not is a failed one.
     """
     if exact_match is not None:
         return Decision(WriteAction.SKIPPED, Rule.EXACT_COPY, exact_match)
     if incoming.policy is WritePolicy.ARBITRATE and arbitrate is None:
-        return await _guarded_instead(Rule.ARBITRATION_UNAVAILABLE, incoming, nearest, consolidate)
+        return await _guarded_instead(Rule.ARBITRATION_UNAVAILABLE, incoming, nearest, consolidate, relatedness)
     if incoming.policy is WritePolicy.ARBITRATE and arbitrate is not None:
         shortlist = [c for c in nearest if c.score >= ARBITRATION_FLOOR][:ARBITRATION_SHORTLIST]
         if not shortlist:
@@ -115,22 +123,45 @@ async def decide(
             verdict = await arbitrate(incoming.content, shortlist)
         except Exception:  # noqa: BLE001 - a failed call falls back to the guarded rule
             verdict = None
-        decision = _apply_verdict(verdict)
+        decision = await _apply_verdict(incoming, verdict, relatedness)
         if decision is not None:
             return decision
-        return await _guarded_instead(Rule.ARBITRATION_FAILED, incoming, nearest, consolidate)
-    return await _seed_rule(incoming, nearest[0] if nearest else None, consolidate)
+        return await _guarded_instead(Rule.ARBITRATION_FAILED, incoming, nearest, consolidate, relatedness)
+    return await _seed_rule(incoming, nearest[0] if nearest else None, consolidate, relatedness)
 
 
 async def _guarded_instead(
-    why: Rule, incoming: IncomingWrite, nearest: list[Candidate], consolidate: Consolidate | None
+    why: Rule,
+    incoming: IncomingWrite,
+    nearest: list[Candidate],
+    consolidate: Consolidate | None,
+    relatedness: Relatedness | None,
 ) -> Decision:
     guarded = replace(incoming, policy=WritePolicy.GUARDED)
-    fallback = await _seed_rule(guarded, nearest[0] if nearest else None, consolidate)
+    fallback = await _seed_rule(guarded, nearest[0] if nearest else None, consolidate, relatedness)
     return replace(fallback, rule=f"{why}:{fallback.rule}")
 
 
-def _apply_verdict(verdict: Arbitration | None) -> Decision | None:
+async def _usable_rewrite(
+    text: str | None, facts: list[str], floor: float, relatedness: Relatedness | None
+) -> str | None:
+    """A model's rewrite of `facts` as one fact, or None: blank, a paragraph, a JSON structure instead of a
+    sentence, or not about those facts."""
+    rewrite = (text or "").strip()
+    if not rewrite or len(rewrite) > MERGED_CONTENT_MAX_CHARS or rewrite[0] in "[{":
+        return None
+    if relatedness is None:
+        return rewrite
+    try:
+        scores = await relatedness(rewrite, facts)
+    except Exception:  # noqa: BLE001 - unchecked is unusable: the fallback loses nothing
+        return None
+    return rewrite if len(scores) == len(facts) and min(scores) >= floor else None
+
+
+async def _apply_verdict(
+    incoming: IncomingWrite, verdict: Arbitration | None, relatedness: Relatedness | None
+) -> Decision | None:
     """The model's verdict as a decision, or None when it is unusable (then the guarded rule decides)."""
     if verdict is None:
         return None
@@ -143,14 +174,18 @@ def _apply_verdict(verdict: Arbitration | None) -> Decision | None:
         return Decision(WriteAction.SKIPPED, rule, verdict.target)
     if verdict.operation is Operation.SUPERSEDE:
         return Decision(WriteAction.SUPERSEDED, rule, verdict.target)
-    merged = (verdict.content or "").strip()
-    if not merged or len(merged) > MERGED_CONTENT_MAX_CHARS:
+    facts = [verdict.target.content, incoming.content]
+    merged = await _usable_rewrite(verdict.content, facts, ARBITRATION_FLOOR, relatedness)
+    if merged is None:
         return None
     return Decision(WriteAction.UPDATED, rule, verdict.target, merged_content=merged)
 
 
 async def _seed_rule(
-    incoming: IncomingWrite, nearest: Candidate | None, consolidate: Consolidate | None
+    incoming: IncomingWrite,
+    nearest: Candidate | None,
+    consolidate: Consolidate | None,
+    relatedness: Relatedness | None = None,
 ) -> Decision:
     if nearest is None:
         return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)
@@ -170,7 +205,7 @@ async def _seed_rule(
         merged = await consolidate(nearest.content, incoming.content)
     except Exception:  # noqa: BLE001 - the seed: a failed completion creates instead
         merged = None
-    merged = (merged or "").strip()
-    if not merged or len(merged) > MERGED_CONTENT_MAX_CHARS:
+    merged = await _usable_rewrite(merged, [nearest.content, incoming.content], MERGE_FLOOR, relatedness)
+    if merged is None:
         return Decision(WriteAction.CREATED, Rule.MERGE_FAILED, nearest)
     return Decision(WriteAction.UPDATED, Rule.MERGED, nearest, merged_content=merged)

@@ -24,7 +24,7 @@ from shared import repository as repo
 from shared.batching import Coalescer
 from shared.db.models import MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
-from shared.embeddings import EmbeddingError
+from shared.embeddings import EmbeddingError, cosine
 from shared.events import (
     AgentContext,
     EntryChangeKind,
@@ -212,6 +212,11 @@ class WriteApplier:
     async def _embed_one(self, content: str) -> list[float]:
         return (await self._embed([content]))[0]
 
+    async def _relatedness(self, text: str, facts: list[str]) -> list[float]:
+        """How a model's rewrite is checked against the facts it rewrites (asked only when there is one)."""
+        rewrite, *others = await self._embed([text, *facts])
+        return [cosine(rewrite, other) for other in others]
+
     def _steps(self, event: MemoryWriteRequested, policy: WritePolicy) -> tuple[ModelSteps | None, ModelSteps | None]:
         """(merge steps, arbitration steps): merges only on agent paths; arbitration with any model."""
         merge = ModelSteps(event.agent, self._llm_timeout) if event.agent else None
@@ -257,6 +262,7 @@ class WriteApplier:
             nearest=nearest,
             consolidate=merge.consolidate if merge else None,
             arbitrate=arbitration.arbitrate if arbitration else None,
+            relatedness=self._relatedness,
         )
         entry, change = await self._carry_out(session, event, decision, digest, embedding)
         copies.record(event.memory_id, decision, entry)

@@ -141,7 +141,18 @@ async def test_a_merge_reply_with_nul_is_stored_without_it(
     assert (await get_entry(client, first["entry_id"]))["content"] == MERGED
 
 
-@pytest.mark.parametrize("reply", ["   ", RuntimeError("provider down"), "x" * 3000])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "   ",
+        RuntimeError("provider down"),
+        "x" * 3000,
+        # Well formed, and no merge: a refusal, an empty list, the merge wrapped in JSON.
+        "I'm sorry, but I can't help with that.",
+        "[]",
+        '{"merged": "' + MERGED + '"}',
+    ],
+)
 async def test_unusable_merge_creates_instead(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, reply: Any
 ) -> None:

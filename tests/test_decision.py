@@ -196,3 +196,71 @@ async def test_arbitration_without_a_model_is_the_guarded_rule_and_says_so() -> 
     assert decision.action is WriteAction.CREATED and decision.rule == "arbitration_unavailable:guard:order"
     same = await arbitrated(None, [near(0.99, REVERSED + "!")])
     assert same.action is WriteAction.SKIPPED and same.rule == f"arbitration_unavailable:{Rule.NEAR_DUPLICATE}"
+
+
+# A model's rewrite must still state the facts it rewrites ------------------------------------------
+
+
+def scores(*values: float):
+    async def relatedness(_text: str, facts: list[str]) -> list[float]:
+        relatedness.asked.append(facts)  # type: ignore[attr-defined]
+        return list(values)
+
+    relatedness.asked = []  # type: ignore[attr-defined]
+    return relatedness
+
+
+async def unrelatable(_text: str, _facts: list[str]) -> list[float]:
+    raise TimeoutError("embedder down")
+
+
+def replying(text: str):
+    async def consolidate(_existing: str, _incoming: str) -> str | None:
+        return text
+
+    return consolidate
+
+
+async def merge_decision(consolidate, relatedness) -> object:
+    return await decide(
+        IncomingWrite(content="Customer also accepts SMS", duplicate_threshold=0.95),
+        exact_match=None, nearest=[near(0.8)], consolidate=consolidate, relatedness=relatedness,
+    )
+
+
+@pytest.mark.parametrize(
+    ("reply", "relatedness", "rule"),
+    [
+        ("Customer prefers email, also accepts SMS", scores(0.9, 0.88), Rule.MERGED),
+        ("Customer prefers email, also accepts SMS", scores(MERGE_FLOOR, MERGE_FLOOR), Rule.MERGED),
+        # A refusal or an apology replaces no fact, however well formed.
+        ("I'm sorry, but I can't help with that.", scores(0.1, 0.08), Rule.MERGE_FAILED),
+        # Close to one fact only: the other would be lost.
+        ("Customer also accepts SMS", scores(0.4, 0.99), Rule.MERGE_FAILED),
+        ("Customer prefers email, also accepts SMS", unrelatable, Rule.MERGE_FAILED),
+        # A structure, not a sentence: never stored, whatever it scores.
+        ("[]", scores(0.9, 0.9), Rule.MERGE_FAILED),
+        ('{"merged": "Customer prefers email, also accepts SMS"}', scores(0.9, 0.9), Rule.MERGE_FAILED),
+    ],
+)
+async def test_a_merge_must_still_state_both_facts(reply, relatedness, rule) -> None:
+    decision = await merge_decision(replying(reply), relatedness)
+    assert decision.rule == rule
+    if rule == Rule.MERGED:
+        assert decision.merged_content == reply and relatedness.asked == [[EXISTING, "Customer also accepts SMS"]]
+    else:
+        assert decision.action is WriteAction.CREATED and decision.merged_content is None
+
+
+async def test_an_arbitrated_update_must_still_state_both_facts() -> None:
+    update = verdict(Operation.UPDATE, near(0.99), "I cannot decide.")
+    refused = await decide(
+        IncomingWrite(content=REVERSED, duplicate_threshold=0.95, policy=WritePolicy.ARBITRATE),
+        exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(0.1, 0.1),
+    )
+    assert refused.action is WriteAction.CREATED and refused.rule == "arbitration_failed:guard:order"
+    kept = await decide(
+        IncomingWrite(content=REVERSED, duplicate_threshold=0.95, policy=WritePolicy.ARBITRATE),
+        exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(ARBITRATION_FLOOR, 0.7),
+    )
+    assert kept.action is WriteAction.UPDATED and kept.merged_content == "I cannot decide."
