@@ -163,8 +163,17 @@ class Extractor:
             reason = "write_memory_id names no memory of this project"
             return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
 
-        target, completion = await self._complete(event, targets, build_prompt(event, extraction))
-        facts = parse_candidates(completion.text)
+        if done is not None and done.facts is not None and targets:
+            # Asked before, and its facts perhaps partly written: those facts again, never a second answer.
+            facts = list(done.facts)
+            target = next((t for t in targets if t.model == done.model), targets[0])
+        else:
+            target, completion = await self._complete(event, targets, build_prompt(event, extraction))
+            facts = parse_candidates(completion.text)
+            async with self._sessions.begin() as session:
+                await registry.save_extracted_facts(
+                    session, event.project_id, event.generation_id, facts, target.model
+                )
         summary = await self._write(event, memory.id, facts, target)
         return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
 

@@ -145,6 +145,21 @@ async def save_extraction(
     )
 
 
+async def save_extracted_facts(
+    session: AsyncSession, project_id: str, generation_id: str, facts: list[str], model: str
+) -> None:
+    """The model's facts for a turn, before any is written; a finished extraction is left as it is."""
+    await session.execute(
+        insert(GenerationExtraction)
+        .values(project_id=project_id, generation_id=generation_id, status="pending", facts=facts, model=model)
+        .on_conflict_do_update(
+            index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
+            set_={"facts": facts, "model": model, "updated_at": func.now()},
+            where=GenerationExtraction.status.not_in(("completed", "skipped")),
+        )
+    )
+
+
 async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> None:
     await session.execute(
         insert(GenerationExtraction)

@@ -10,11 +10,14 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
 from shared.events import GenerationAgent, GenerationCompleted
+from shared.extraction import Extractor, WritesPending
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
+from shared.write_gateway import WriteGateway
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
 
@@ -171,6 +174,34 @@ async def test_a_redelivered_turn_writes_nothing_twice(
     await asyncio.sleep(0.5)
     assert len(await entries(client, memory["id"])) == 3
     assert len(llm.calls_to("extract-redelivered")) == 1
+
+
+async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_a_second(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # The model words the facts differently each time it is asked (as real models do).
+    answers = iter([["The customer's birthday is on 3 May"], ["The client was born on the third of May"]])
+    model = llm.script("extract-reworded", lambda _messages: json.dumps(next(answers)))
+    event = GenerationCompleted(
+        event_id="evt_reworded", project_id=memory["project_id"], generation_id="gen_reworded",
+        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
+        messages=[{"role": "user", "content": "My birthday is on 3 May."}],
+    )
+    nc = await nats.connect(settings.nats_url)
+    try:
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+        await gateway.start()
+        impatient = Extractor(sessions, gateway, llm_timeout=5, write_timeout=0.001)
+        with pytest.raises(WritesPending):  # the writes are queued, not decided in time: the event is retried
+            await impatient.extract(event)
+        patient = Extractor(sessions, gateway, llm_timeout=5, write_timeout=15)
+        result = await patient.extract(event)
+    finally:
+        await nc.close()
+    assert result.status == "completed" and result.summary.candidates == 1
+    assert len(llm.calls_to("extract-reworded")) == 1
+    assert [e["content"] for e in await entries(client, memory["id"])] == ["The customer's birthday is on 3 May"]
 
 
 async def test_failover_to_the_second_route_target_and_usage(

@@ -196,6 +196,9 @@ class GenerationExtraction(Base):
     skipped: Mapped[int] = mapped_column(Integer, server_default="0")
     failed: Mapped[int] = mapped_column(Integer, server_default="0")
     model: Mapped[str | None] = mapped_column(String(255))
+    # The model's answer, stored before its facts are written: a redelivery writes these again (same write ids,
+    # so nothing twice) instead of asking the model, which may word the facts differently.
+    facts: Mapped[list[str] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _created()
 
