@@ -87,7 +87,9 @@ async def complete(
             call.record_usage(response)
         text = response.choices[0].message.content or ""
     except Exception as exc:
-        raise LlmError(f"{purpose} completion with {agent.model!r} failed: {exc}") from exc
+        # litellm maps every provider's "slow down" (HTTP 429) onto its RateLimitError.
+        error = RateLimited if isinstance(exc, litellm.RateLimitError) else LlmError
+        raise error(f"{purpose} completion with {agent.model!r} failed: {exc}") from exc
     usage = getattr(response, "usage", None)
     return Completion(
         text=text,

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import bus
 from shared.events import GenerationAgent, GenerationCompleted
 from shared.extraction import Extractor, WritesPending
-from shared.scripted_llm import ScriptedLLM, scripted_llm
+from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 
@@ -202,6 +202,35 @@ async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_
     assert result.status == "completed" and result.summary.candidates == 1
     assert len(llm.calls_to("extract-reworded")) == 1
     assert [e["content"] for e in await entries(client, memory["id"])] == ["The customer's birthday is on 3 May"]
+
+
+async def test_a_rate_limited_model_is_asked_again_after_a_pause(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    refusals = iter(range(2))
+
+    def reply(_messages: list[dict[str, Any]]) -> str:
+        if next(refusals, None) is not None:  # the first two calls: HTTP 429, as a provider says "slow down"
+            raise CustomLLMError(status_code=429, message="rate limit reached")
+        return json.dumps(["The user rides a red bicycle"])
+
+    model = llm.script("extract-rate-limited", reply)
+    event = GenerationCompleted(
+        event_id="evt_rate_limited", project_id=memory["project_id"], generation_id="gen_rate_limited",
+        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
+        messages=[{"role": "user", "content": "I ride a red bicycle."}],
+    )
+    nc = await nats.connect(settings.nats_url)
+    try:
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+        await gateway.start()
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
+    finally:
+        await nc.close()
+    # Retried on the same target within this delivery, not failed over or left to a redelivery.
+    assert result.status == "completed" and result.summary.created == 1
+    assert len(llm.calls_to("extract-rate-limited")) == 3
 
 
 async def test_failover_to_the_second_route_target_and_usage(
