@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -160,12 +160,31 @@ async def save_extracted_facts(
     )
 
 
-async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> None:
+async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> str | None:
+    """Record a reported turn as pending, unless it is known. A turn whose extraction failed is a retry: it is
+    pending again, and the time of that failure is returned, to tell this attempt from the first on the bus."""
+    failed = await session.scalar(
+        select(GenerationExtraction.updated_at)
+        .where(
+            GenerationExtraction.project_id == project_id,
+            GenerationExtraction.generation_id == generation_id,
+            GenerationExtraction.status == "failed",
+        )
+        .with_for_update()
+    )
+    if failed is not None:
+        await session.execute(
+            update(GenerationExtraction)
+            .where(GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id)
+            .values(status="pending", reason=None, updated_at=func.now())
+        )
+        return failed.isoformat()
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, status="pending")
         .on_conflict_do_nothing()
     )
+    return None
 
 
 async def get_extraction(session: AsyncSession, project_id: str, generation_id: str) -> GenerationExtraction | None:

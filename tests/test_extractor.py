@@ -282,6 +282,17 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     outcome = await finished(client, memory, "gen_poison")
     assert outcome["status"] == "failed" and "context length exceeded" in outcome["reason"]
     assert len(llm.calls_to("extract-poison")) == settings.memories_max_deliver
+    # Reported again once the model works, within the stream's duplicate window: a retry, extracted this time.
+    llm.script("extract-poison", json.dumps(["The user retried the turn"]))
+    again = await client.post("/generations/completed", json=turn_body(memory, model, "gen_poison"))
+    assert again.status_code == 202
+    outcome = await finished(client, memory, "gen_poison")
+    assert outcome["status"] == "completed" and outcome["summary"]["created"] == 1
+    # Once extracted, a turn reported again is the same turn: not asked twice.
+    calls = len(llm.calls_to("extract-poison"))
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_poison"))
+    await asyncio.sleep(1.0)
+    assert len(llm.calls_to("extract-poison")) == calls
 
 
 async def test_unknown_generation_is_404(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:

@@ -56,15 +56,19 @@ async def generation_completed(
     event = GenerationCompleted(
         event_id=new_id("evt_"), project_id=project_id, **body.model_dump(exclude={"project_id"})
     )
-    await registry.mark_extraction_pending(session, project_id, event.generation_id)
+    retry_of = await registry.mark_extraction_pending(session, project_id, event.generation_id)
     await session.commit()
+    # One turn is extracted once, however often the platform reports it; reported again after its extraction
+    # failed, it is a retry, which the stream's duplicate window must not swallow.
+    message_id = f"generation:{project_id}:{event.generation_id}"
+    if retry_of is not None:
+        message_id += f":retry-of:{retry_of}"
     try:
         await request.app.state.nats.jetstream().publish(
             bus.generation_completed_subject(project_id),
             event.model_dump_json().encode(),
             stream=bus.GENERATIONS_STREAM,
-            # One turn is extracted once, however often the platform reports it.
-            headers={"Nats-Msg-Id": f"generation:{project_id}:{event.generation_id}"},
+            headers={"Nats-Msg-Id": message_id},
             timeout=5.0,
         )
     except (NatsError, TimeoutError) as exc:
