@@ -8,14 +8,21 @@ from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from nats.errors import Error as NatsError
-from pydantic import BaseModel, Field, StrictBool, ValidationError
+from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Strict, Timestamp
 from shared import bus, registry
 from shared.agents import KnowledgeConfig
-from shared.events import ChatMessage, ExtractionSummary, GenerationAgent, GenerationCompleted, Text
+from shared.events import (
+    ChatMessage,
+    ExtractionSummary,
+    GenerationAgent,
+    GenerationCompleted,
+    Text,
+    refuse_nul,
+)
 from shared.ids import new_id
 
 router = APIRouter(prefix="/generations", tags=["extraction"])
@@ -31,6 +38,27 @@ class CompletedTurn(Strict):
     status: str = Field(default="completed", max_length=64)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, max_length=100_000)
+
+    # Refused here like everywhere in the API, though a transcript is only read (a model's NUL is dropped).
+    @field_validator("status", "output")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        return refuse_nul(value) if value is not None else None
+
+    @field_validator("messages")
+    @classmethod
+    def _no_nul_in_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for message in messages:
+            refuse_nul(message.role)
+            refuse_nul(message.content or "")
+        return messages
+
+    @field_validator("agent")
+    @classmethod
+    def _no_nul_in_agent(cls, agent: GenerationAgent) -> GenerationAgent:
+        for value in (agent.id, agent.model, agent.ai_provider_id, agent.model_route_id):
+            refuse_nul(value or "")
+        return agent
 
 
 class ExtractionStatus(BaseModel):
