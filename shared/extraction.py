@@ -86,7 +86,8 @@ def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None
 
 
 def parse_candidates(text: str) -> list[str]:
-    """From the first `[` to the last `]`; strings or `{content}` objects; empties dropped; at most 20."""
+    """From the first `[` to the last `]`; strings or `{content}` objects; empty and over-long ones dropped; at
+    most 20."""
     start, end = text.find("["), text.rfind("]")
     if start < 0 or end <= start:
         return []
@@ -101,8 +102,10 @@ def parse_candidates(text: str) -> list[str]:
         content = item.get("content") if isinstance(item, dict) else item
         if isinstance(content, str):
             content = content.replace("\x00", "").strip()  # a model's NUL could never be stored
-            if content:
-                facts.append(content[:CONTENT_MAX_CHARS])
+            # An over-long "fact" is a paragraph, not an atomic fact: dropped, not cut mid-sentence (a cut can
+            # change what it says).
+            if content and len(content) <= CONTENT_MAX_CHARS:
+                facts.append(content)
     return facts[:MAX_CANDIDATES]
 
 

@@ -92,6 +92,8 @@ def test_prompt_default_and_custom_keep_the_contract_and_transcript() -> None:
         ('[1, 2', []),
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
         ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
+        # A paragraph is no atomic fact: dropped, never cut to the limit mid-sentence.
+        (json.dumps(["A", "x" * 8_001, "y" * 8_000]), ["A", "y" * 8_000]),
     ],
 )
 def test_parse_candidates(text: str, facts: list[str]) -> None:
