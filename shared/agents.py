@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -108,7 +109,9 @@ class AgentSpec(BaseModel):
     model: str | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
     api_base: str | None = None
     api_key_env: str | None = Field(default=None, description="name of the env variable with the provider key")
-    knowledge_config: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
+    knowledge_config: KnowledgeConfig = Field(
+        default_factory=KnowledgeConfig, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
+    )
 
     def context(self) -> AgentContext | None:
         """The agent context a write carries; without a model there is nothing to merge with."""

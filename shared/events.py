@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
 
 CONTENT_MAX_CHARS = 8_000
 TAG_MAX_CHARS = 128
@@ -232,7 +232,10 @@ class GenerationAgent(BaseModel):
     model: str | None = Field(default=None, description="the agent's model (a litellm model or a provider's)")
     ai_provider_id: str | None = Field(default=None, description="the agent's pinned provider")
     model_route_id: str | None = None
-    knowledge_config: dict[str, Any] | None = None
+    # Its contents may be camelCase, and so may its own key, as a platform stores it.
+    knowledge_config: dict[str, Any] | None = Field(
+        default=None, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
+    )
 
 
 class GenerationCompleted(Event):

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
 from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
-from shared.events import AgentContext, GenerationDeleted, MemoryWriteRequested
+from shared.events import AgentContext, GenerationCompleted, GenerationDeleted, MemoryWriteRequested
 from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
@@ -389,3 +389,20 @@ async def test_concurrent_agent_writes_to_one_memory_are_serialised(
     results = await asyncio.gather(*(tool_write(client, memory, EMAIL, model) for _ in range(20)))
     assert sorted(r["action"] for r in results) == ["created"] + ["skipped"] * 19
     assert len({r["entry_id"] for r in results}) == 1
+
+
+async def test_an_agent_stored_in_camel_case_is_read_whole(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # A platform storing camelCase names the config `knowledgeConfig` too, not only the keys inside it.
+    agent = {"id": "agent_camel", "model": llm.script("camel", ""), "knowledgeConfig": {"writeMemoryId": memory["id"]}}
+    body = {"content": "The camel case agent wrote this", "agent": agent, "project_id": memory["project_id"]}
+    response = await client.post("/tools/write_memory", json=body)
+    assert response.status_code == 200 and response.json()["action"] == "created", response.text
+    turn = {"project_id": memory["project_id"], "generation_id": "gen_camel", "agent": agent,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await client.post("/generations/completed", json=turn)).status_code == 202
+    # The event on the bus keeps the config under its own name, so the extractor reads it.
+    event = GenerationCompleted(event_id="evt_camel", project_id=memory["project_id"], **{
+        key: value for key, value in turn.items() if key != "project_id"})
+    assert event.agent.knowledge_config == {"writeMemoryId": memory["id"]}
