@@ -107,6 +107,8 @@ class AgentSpec(BaseModel):
 
     id: str | None = None
     model: str | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
+    ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
+    model_route_id: str | None = Field(default=None, description="the agent's model route")
     api_base: str | None = None
     api_key_env: str | None = Field(default=None, description="name of the env variable with the provider key")
     knowledge_config: KnowledgeConfig = Field(
@@ -117,7 +119,13 @@ class AgentSpec(BaseModel):
         """The agent context a write carries; without a model there is nothing to merge with."""
         if not self.model:
             return None
-        return AgentContext(agent_id=self.id, model=self.model, api_base=self.api_base, api_key_env=self.api_key_env)
+        return AgentContext(
+            agent_id=self.id,
+            model=self.model,
+            api_base=self.api_base,
+            api_key_env=self.api_key_env,
+            ai_provider_id=self.ai_provider_id,
+        )
 
 
 def write_memory_event(

@@ -1,4 +1,4 @@
-"""Which model serves an agent's extraction: the seed's resolution order, as a pure function.
+"""Which model serves an agent's extraction, and its merges: the seed's resolution order, as a pure function.
 
 Provider: `extraction.ai_provider_id` → the agent's pinned provider → the agent's `model_route_id` → the
 project's default route. Model, for the provider cases: `extraction.model` → the override provider's
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.agents import ExtractionConfig
+from shared.agents import AgentSpec, ExtractionConfig
 from shared.events import AgentContext, GenerationAgent
 
 
@@ -103,3 +103,37 @@ def resolve_targets(
     if model:
         return [Target(model)]
     raise ResolutionError("no model: configure an AI provider, a model route or MEMORIES_MERGE_MODEL")
+
+
+def agent_for_merges(
+    agent: AgentSpec,
+    *,
+    providers: dict[str, Provider],
+    routes: dict[str, list[dict[str, Any]]],
+    default_route_id: str | None,
+) -> AgentSpec:
+    """A `write_memory` call's agent with the model its merges use, resolved as for its extraction: the
+    first target (a write carries one model). An agent that names its endpoint itself (`api_base`,
+    `api_key_env`: the admin token only) keeps it; one with no model anywhere merges nothing. Raises
+    ResolutionError when it names a provider or route the project does not have."""
+    if agent.api_base or agent.api_key_env:
+        return agent
+    spec = GenerationAgent(
+        id=agent.id, model=agent.model, ai_provider_id=agent.ai_provider_id, model_route_id=agent.model_route_id
+    )
+    try:
+        target = resolve_targets(
+            ExtractionConfig(), spec, providers=providers, routes=routes, default_route_id=default_route_id
+        )[0]
+    except ResolutionError:
+        if agent.ai_provider_id or agent.model_route_id:
+            raise
+        return agent  # no model anywhere: the write creates where it would merge
+    return agent.model_copy(
+        update={
+            "model": target.model,
+            "api_base": target.api_base,
+            "api_key_env": target.api_key_env,
+            "ai_provider_id": target.ai_provider_id,
+        }
+    )

@@ -406,3 +406,42 @@ async def test_an_agent_stored_in_camel_case_is_read_whole(
     event = GenerationCompleted(event_id="evt_camel", project_id=memory["project_id"], **{
         key: value for key, value in turn.items() if key != "project_id"})
     assert event.agent.knowledge_config == {"writeMemoryId": memory["id"]}
+
+
+async def test_a_tool_call_merges_with_the_projects_registered_provider_or_default_route(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    project_id = memory["project_id"]
+    llm.script("merge-by-provider", MERGED)
+    provider = (await client.post("/ai-providers", json={
+        "project_id": project_id, "name": "ours", "provider": "scripted", "default_model": "merge-by-provider"})).json()
+    # What a project key may send: the agent's registered provider (the key cannot name an endpoint itself).
+    key = (await client.post("/api-keys", json={
+        "project_id": project_id, "name": "platform", "actions": ["memories:CreateMemoryEntry"]})).json()["key"]
+    pinned = {"id": "agent_1", "ai_provider_id": provider["id"], "knowledge_config": {"write_memory_id": memory["id"]}}
+
+    async def write(content: str, agent: dict[str, Any]) -> dict[str, Any]:
+        response = await client.post("/tools/write_memory", json={"content": content, "agent": agent},
+                                     headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = await write(EMAIL, pinned)
+    assert await write(EMAIL_DETAIL, pinned) == {"action": "updated", "entry_id": first["entry_id"]}
+    assert len(llm.calls_to("merge-by-provider")) == 1
+    usage = (await client.get("/usage", params={"project_id": project_id})).json()["data"]
+    assert [(u["model"], u["purpose"], u["ai_provider_id"]) for u in usage] == [
+        ("scripted/merge-by-provider", "merge", provider["id"])]
+
+    # An agent naming no model merges with the project's default route, as its extraction would.
+    route = (await client.post("/model-routes", json={"project_id": project_id, "name": "default", "targets": [
+        {"ai_provider_id": provider["id"]}]})).json()
+    await client.put(f"/projects/{project_id}/default-model-route", json={"model_route_id": route["id"]})
+    bare = {"id": "agent_2", "knowledge_config": {"write_memory_id": memory["id"]}}
+    second = await write("Customer prefers SMS over phone calls", bare)
+    assert second["action"] == "created"
+    llm.script("merge-by-provider", "Customer prefers SMS over phone calls, in the evening.")
+    assert (await write("Customer prefers SMS over phone calls, in the evening", bare))["action"] == "updated"
+
+    unknown = await write(EMAIL, {**pinned, "ai_provider_id": "aip_0000000000000000"})
+    assert "names no provider of this project" in unknown["error"]

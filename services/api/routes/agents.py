@@ -22,10 +22,12 @@ from services.api.errors import ApiError, invalid
 from services.api.routes.entries import load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
 from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
+from shared import registry
 from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
 from shared.events import SourceType, Text
 from shared.ids import MEMORY_PREFIX, is_valid_id
+from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
 
 router = APIRouter(tags=["agents"])
@@ -73,11 +75,16 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
     owners = request.app.state.memory_owners
     if not target or not is_valid_id(target, MEMORY_PREFIX) or await owners.project_of(session, target) != project_id:
         return ToolResult(error="the agent's write_memory_id names no memory of this project")
+    providers, routes, default_route = await registry.load_model_registry(session, project_id)
+    try:
+        agent = agent_for_merges(body.agent, providers=providers, routes=routes, default_route_id=default_route)
+    except ResolutionError as exc:
+        return ToolResult(error=str(exc))
     await session.rollback()  # no pool slot held while the writer decides
     result = await call_write_memory(
         request.app.state.gateway,
         project_id=project_id,
-        agent=body.agent,
+        agent=agent,
         content=body.content,
         generation_id=body.generation_id,
         timeout=request.app.state.settings.memories_write_timeout_s,
