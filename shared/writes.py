@@ -23,7 +23,7 @@ from shared import registry
 from shared import repository as repo
 from shared.batching import Coalescer
 from shared.db.models import MemoryEntry, WriteOutcome
-from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, decide
+from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, Rule, decide
 from shared.embeddings import EmbeddingError, cosine
 from shared.events import (
     AgentContext,
@@ -276,7 +276,7 @@ class WriteApplier:
             score=decision.score,
             failed_attempts=stored.failed_attempts if stored else 0,
         )
-        model_steps = arbitration if decision.rule.startswith("arbitrated") else merge
+        model_steps = arbitration if _model_step(decision.rule) == "arbitration" else merge
         for steps in {id(s): s for s in (merge, arbitration) if s}.values():
             for purpose, completion in steps.completions:
                 await registry.add_usage(session, event.project_id, steps.agent.ai_provider_id, completion, purpose)
@@ -423,6 +423,17 @@ def _failure(event: MemoryWriteRequested, stored: StoredOutcome | None, code: st
     return Decided(AppliedWrite(outcome_of(record), None), record)
 
 
+def _model_step(rule: str) -> str | None:
+    """The model step the audit names: the last the decision went through, whether its answer was used or not
+    ("merge_failed" asked the model too). A rule names its fallbacks ("arbitration_failed:merged")."""
+    for step in reversed(rule.split(":")):
+        if step in (Rule.MERGED, Rule.MERGE_FAILED):
+            return "merge"
+        if step in (Rule.ARBITRATED, Rule.ARBITRATION_FAILED):
+            return "arbitration"
+    return None
+
+
 def _history(
     event: MemoryWriteRequested,
     decision: Decision,
@@ -431,12 +442,8 @@ def _history(
     model_steps: ModelSteps | None,
 ) -> HistoryRow:
     target = decision.target
-    # A rule names its fallbacks too ("arbitration_failed:merged"): whichever step asked a model counts.
-    steps = decision.rule.split(":")
-    asked_model = "arbitrated" in steps or "merged" in steps
-    prompt_version = None
-    if asked_model:
-        prompt_version = ARBITRATION_PROMPT_VERSION if "arbitrated" in steps else MERGE_PROMPT_VERSION
+    step = _model_step(decision.rule)
+    prompt_version = {"arbitration": ARBITRATION_PROMPT_VERSION, "merge": MERGE_PROMPT_VERSION}.get(step or "")
     changed_text = decision.action is WriteAction.UPDATED
     return HistoryRow(
         write_id=event.write_id,
@@ -448,7 +455,7 @@ def _history(
         rule=decision.rule,
         score=decision.score,
         candidate_ids=[c.entry_id for c in nearest] or ([target.entry_id] if target else None),
-        model=model_steps.agent.model if model_steps and asked_model else None,
+        model=model_steps.agent.model if model_steps and step else None,
         prompt_version=prompt_version,
         content_before=target.content if target and changed_text else None,
         content_after=entry.content if decision.action is not WriteAction.SKIPPED else event.content,

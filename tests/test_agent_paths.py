@@ -162,6 +162,9 @@ async def test_unusable_merge_creates_instead(
     assert second["action"] == "created" and second["entry_id"] != first["entry_id"]
     assert (await get_entry(client, first["entry_id"]))["content"] == EMAIL  # nothing appended
     assert len(llm.calls_to("merge-bad")) == 1
+    # The audit names the model that was asked, though its answer was not used.
+    (record,) = (await client.get(f"/memory-entries/{second['entry_id']}/history")).json()["data"]
+    assert (record["rule"], record["model"], record["prompt_version"]) == ("merge_failed", model, "merge-v1")
 
 
 async def test_manual_writes_never_merge(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
