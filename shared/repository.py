@@ -27,13 +27,22 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, distinct_on, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared import iam
-from shared.db.models import ApiKey, EntryHistory, Memory, MemoryEntry, Project, WriteOutcome
+from shared.db.models import (
+    ApiKey,
+    EntryHistory,
+    ForgottenProvenance,
+    Memory,
+    MemoryEntry,
+    Project,
+    WriteOutcome,
+)
 from shared.decision import Candidate
 from shared.events import EntryState
 from shared.ids import API_KEY_PREFIX, ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
@@ -501,12 +510,51 @@ async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistor
     return list((await session.scalars(query)).all())
 
 
+ProvenanceRef = tuple[str, str, str]
+"""(project id, "generation" or "conversation", its id)."""
+
+
+def _provenance_lock_key(reference: ProvenanceRef) -> str:
+    return "provenance\x1f" + "\x1f".join(reference)  # its own namespace: never a memory id's lock
+
+
+async def hold_provenance(session: AsyncSession, references: Iterable[ProvenanceRef]) -> set[ProvenanceRef]:
+    """The references of this transaction's new entries: share-locked until it ends (so forgetting one waits
+    for the entries being written, then clears them too), and of those, the ones already forgotten."""
+    wanted = sorted(set(references))
+    if not wanted:
+        return set()
+    await session.execute(
+        text(
+            "SELECT pg_advisory_xact_lock_shared(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key"
+        ),
+        {"keys": sorted(_provenance_lock_key(reference) for reference in wanted)},
+    )
+    # A statement of its own, after the locks: it sees a forgetting committed while this one waited.
+    columns = (ForgottenProvenance.project_id, ForgottenProvenance.kind, ForgottenProvenance.reference)
+    rows = await session.execute(select(*columns).where(tuple_(*columns).in_(wanted)))
+    return {(row.project_id, row.kind, row.reference) for row in rows}
+
+
 async def clear_provenance(
     session: AsyncSession, project_id: str, *, generation_id: str | None = None, conversation_id: str | None = None
 ) -> int:
-    """A deleted generation or conversation stops being referenced; the facts learned from it stay."""
+    """A deleted generation or conversation stops being referenced; the facts learned from it stay. It is
+    remembered as forgotten, so a write still in flight (an extraction, a tool call) cannot bring it back."""
     column = MemoryEntry.source_generation_id if generation_id is not None else MemoryEntry.source_conversation_id
     value = generation_id if generation_id is not None else conversation_id
+    kind = "generation" if generation_id is not None else "conversation"
+    assert value is not None
+    # Exclusive: entries being written with this reference are committed first and cleared below.
+    await session.execute(
+        text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+        {"key": _provenance_lock_key((project_id, kind, value))},
+    )
+    await session.execute(
+        insert(ForgottenProvenance)
+        .values(project_id=project_id, kind=kind, reference=value)
+        .on_conflict_do_nothing()
+    )
     result = await session.execute(
         update(MemoryEntry)
         .where(MemoryEntry.project_id == project_id, column == value)

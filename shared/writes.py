@@ -177,8 +177,9 @@ class WriteApplier:
             return exc
 
     async def _decide_batch(self, session: AsyncSession, batch: Sequence[PreparedWrite]) -> list[Decided]:
+        await repo.lock_memories(session, [one.event.memory_id for one in batch])
+        batch = await _forget_forgotten(session, batch)
         events = [one.event for one in batch]
-        await repo.lock_memories(session, [event.memory_id for event in events])
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
         memories = await repo.load_memories(session, [event.memory_id for event in events])
@@ -408,6 +409,25 @@ class Decided:
         if state is None:
             return self
         return replace(self, applied=replace(self.applied, outcome=outcome.model_copy(update={"entry": state})))
+
+
+async def _forget_forgotten(session: AsyncSession, batch: Sequence[PreparedWrite]) -> Sequence[PreparedWrite]:
+    """The batch with the generations and conversations forgotten meanwhile left out of its new entries'
+    provenance; the others are share-locked until the batch commits (`repository.hold_provenance`)."""
+    references = [_references(one.event) for one in batch]
+    forgotten = await repo.hold_provenance(session, [ref for refs in references for ref in refs])
+    if not forgotten:
+        return batch
+    kept = []
+    for one, refs in zip(batch, references, strict=True):
+        cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten}
+        kept.append(replace(one, event=one.event.model_copy(update=cleared)) if cleared else one)
+    return kept
+
+
+def _references(event: MemoryWriteRequested) -> list[repo.ProvenanceRef]:
+    pairs = (("generation", event.source_generation_id), ("conversation", event.source_conversation_id))
+    return [(event.project_id, kind, value) for kind, value in pairs if value]
 
 
 def _failure(event: MemoryWriteRequested, stored: StoredOutcome | None, code: str, message: str) -> Decided:

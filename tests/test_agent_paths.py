@@ -14,11 +14,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus
+from shared import repository as repo
 from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
 from shared.events import AgentContext, GenerationCompleted, GenerationDeleted, MemoryWriteRequested
 from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
+from shared.writes import WriteApplier
+from tests.conftest import wait_until_blocked_by
 
 EMAIL = "Customer prefers email over phone calls"
 EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
@@ -383,6 +386,44 @@ async def test_deleting_a_generation_or_conversation_keeps_the_facts(
             break
         await asyncio.sleep(0.05)
     assert (await get_entry(client, second["entry_id"]))["source_generation_id"] is None
+
+
+async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    project = memory["project_id"]
+    # Forgotten while the write waited in the queue (an extraction still asking its model): the entry is
+    # written without the reference.
+    forgot = await client.delete("/conversations/conv_late/provenance", params={"project_id": project})
+    assert forgot.json() == {"cleared": 0}
+    late = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=project, memory_id=memory["id"], content="Parcels leave at noon",
+        source_generation_id="gen_kept", source_conversation_id="conv_late",
+    )
+    applied = await WriteApplier(sessions, _local_embed, LOCAL_MODEL).apply(late)
+    entry = await get_entry(client, applied.outcome.entry_id or "")
+    assert (entry["source_generation_id"], entry["source_conversation_id"]) == ("gen_kept", None)
+
+    # Forgotten while a write holding the reference is being decided: forgetting waits for its commit, then
+    # clears the new entry too.
+    async with sessions.begin() as session:
+        assert await repo.hold_provenance(session, [(project, "generation", "gen_racing")]) == set()
+        entry_id = await repo.insert_entry(
+            session, memory_id=memory["id"], project_id=project, content="Racing fact", content_hash="h",
+            embedding=[1.0] + [0.0] * 383, embedding_model=LOCAL_MODEL, source_type="extraction",
+            tags=None, metadata_=None, source_generation_id="gen_racing", source_conversation_id=None,
+        )
+        forgetting = asyncio.create_task(
+            client.delete("/generations/gen_racing/provenance", params={"project_id": project})
+        )
+        await wait_until_blocked_by(session, "forgetting the generation")
+    assert (await forgetting).json() == {"cleared": 1}
+    assert (await get_entry(client, entry_id))["source_generation_id"] is None
+
+
+async def _local_embed(texts: Any) -> list[list[float]]:
+    return await embed_texts(list(texts), model=LOCAL_MODEL)
 
 
 async def test_concurrent_agent_writes_to_one_memory_are_serialised(

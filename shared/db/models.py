@@ -181,6 +181,18 @@ class ProjectSettings(Base):
     updated_at: Mapped[datetime] = _created()
 
 
+class ForgottenProvenance(Base):
+    """A generation or conversation a project asked to forget: no entry may reference it again, not even one
+    written by a write that was in flight when it was forgotten."""
+
+    __tablename__ = "forgotten_provenance"
+
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # generation | conversation
+    reference: Mapped[str] = mapped_column(String(255), primary_key=True)
+    forgotten_at: Mapped[datetime] = _created()
+
+
 class GenerationExtraction(Base):
     """The extraction outcome of one generation: pending → completed | skipped | failed."""
 
