@@ -21,6 +21,11 @@ MERGE_FLOOR = 0.75
 MERGED_CONTENT_MAX_CHARS = 2_000
 """A merge longer than this is a paragraph, not an atomic fact: create instead."""
 
+REWRITE_FLOOR = 0.50
+"""A model's rewrite of two facts must score at least this against each. Measured with the default embedder:
+refusals, `[]`, `null`, "OK" score −0.04–0.25 against the facts; faithful merges 0.73–0.99, also for pairs at the
+bottom of the merge band (a pair at 0.759 whose literal merge scores 0.744 against the older fact)."""
+
 ARBITRATION_FLOOR = 0.60
 ARBITRATION_SHORTLIST = 5
 """Arbitration shows the model at most this many valid entries scoring at least the floor."""
@@ -108,8 +113,9 @@ async def decide(
     arbitrated memory never guards less than a guarded one.
 
     A model's rewrite replaces a stored fact, so it must still state both facts it rewrites: with `relatedness`,
-    it must score at least the floor that let the two be rewritten together against each of them (a refusal,
-    an apology or a stray `[]` scores near 0). A rewrite that does not is a failed one.
+    it must score at least REWRITE_FLOOR against each of them (a refusal, an apology or a stray `[]` scores near
+    0). A rewrite that does not is a failed one. `relatedness` failing (the embedder is down) is not the model's
+    failure: it propagates, and the write is retried.
     """
     if exact_match is not None:
         return Decision(WriteAction.SKIPPED, Rule.EXACT_COPY, exact_match)
@@ -142,9 +148,7 @@ async def _guarded_instead(
     return replace(fallback, rule=f"{why}:{fallback.rule}")
 
 
-async def _usable_rewrite(
-    text: str | None, facts: list[str], floor: float, relatedness: Relatedness | None
-) -> str | None:
+async def _usable_rewrite(text: str | None, facts: list[str], relatedness: Relatedness | None) -> str | None:
     """A model's rewrite of `facts` as one fact, or None: blank, a paragraph, a JSON structure instead of a
     sentence, or not about those facts."""
     rewrite = (text or "").strip()
@@ -152,11 +156,8 @@ async def _usable_rewrite(
         return None
     if relatedness is None:
         return rewrite
-    try:
-        scores = await relatedness(rewrite, facts)
-    except Exception:  # noqa: BLE001 - unchecked is unusable: the fallback loses nothing
-        return None
-    return rewrite if len(scores) == len(facts) and min(scores) >= floor else None
+    scores = await relatedness(rewrite, facts)
+    return rewrite if len(scores) == len(facts) and min(scores) >= REWRITE_FLOOR else None
 
 
 async def _apply_verdict(
@@ -175,7 +176,7 @@ async def _apply_verdict(
     if verdict.operation is Operation.SUPERSEDE:
         return Decision(WriteAction.SUPERSEDED, rule, verdict.target)
     facts = [verdict.target.content, incoming.content]
-    merged = await _usable_rewrite(verdict.content, facts, ARBITRATION_FLOOR, relatedness)
+    merged = await _usable_rewrite(verdict.content, facts, relatedness)
     if merged is None:
         return None
     return Decision(WriteAction.UPDATED, rule, verdict.target, merged_content=merged)
@@ -205,7 +206,7 @@ async def _seed_rule(
         merged = await consolidate(nearest.content, incoming.content)
     except Exception:  # noqa: BLE001 - the seed: a failed completion creates instead
         merged = None
-    merged = await _usable_rewrite(merged, [nearest.content, incoming.content], MERGE_FLOOR, relatedness)
+    merged = await _usable_rewrite(merged, [nearest.content, incoming.content], relatedness)
     if merged is None:
         return Decision(WriteAction.CREATED, Rule.MERGE_FAILED, nearest)
     return Decision(WriteAction.UPDATED, Rule.MERGED, nearest, merged_content=merged)

@@ -7,6 +7,7 @@ import pytest
 from shared.decision import (
     ARBITRATION_FLOOR,
     MERGE_FLOOR,
+    REWRITE_FLOOR,
     Arbitration,
     Candidate,
     IncomingWrite,
@@ -232,12 +233,11 @@ async def merge_decision(consolidate, relatedness) -> object:
     ("reply", "relatedness", "rule"),
     [
         ("Customer prefers email, also accepts SMS", scores(0.9, 0.88), Rule.MERGED),
-        ("Customer prefers email, also accepts SMS", scores(MERGE_FLOOR, MERGE_FLOOR), Rule.MERGED),
+        ("Customer prefers email, also accepts SMS", scores(REWRITE_FLOOR, REWRITE_FLOOR), Rule.MERGED),
         # A refusal or an apology replaces no fact, however well formed.
         ("I'm sorry, but I can't help with that.", scores(0.1, 0.08), Rule.MERGE_FAILED),
         # Close to one fact only: the other would be lost.
         ("Customer also accepts SMS", scores(0.4, 0.99), Rule.MERGE_FAILED),
-        ("Customer prefers email, also accepts SMS", unrelatable, Rule.MERGE_FAILED),
         # A structure, not a sentence: never stored, whatever it scores.
         ("[]", scores(0.9, 0.9), Rule.MERGE_FAILED),
         ('{"merged": "Customer prefers email, also accepts SMS"}', scores(0.9, 0.9), Rule.MERGE_FAILED),
@@ -252,6 +252,39 @@ async def test_a_merge_must_still_state_both_facts(reply, relatedness, rule) -> 
         assert decision.action is WriteAction.CREATED and decision.merged_content is None
 
 
+async def test_an_embedder_failure_while_checking_a_rewrite_is_retried_not_a_failed_merge() -> None:
+    # Not the model's failure: the write is retried (a merge_failed would store a near-copy for good).
+    with pytest.raises(TimeoutError):
+        await merge_decision(replying("Customer prefers email, also accepts SMS"), unrelatable)
+
+
+@pytest.mark.parametrize(
+    ("existing", "incoming", "rewrite"),
+    [
+        # Pairs at the bottom of the merge band, with their literal merges (measured with the default model).
+        ("The user drives a Tesla", "The user drives a red Tesla Model 3 bought in 2021",
+         "The user drives a red Tesla Model 3, bought in 2021"),
+        ("The user is allergic to peanuts", "The user carries an EpiPen for a peanut allergy",
+         "The user has a peanut allergy and carries an EpiPen"),
+        ("The user is vegetarian", "The user is vegetarian but eats fish occasionally",
+         "The user is vegetarian but occasionally eats fish"),
+    ],
+)
+async def test_faithful_merges_pass_the_check_with_the_default_model(existing: str, incoming: str, rewrite: str) -> None:
+    from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
+
+    async def relatedness(text: str, facts: list[str]) -> list[float]:
+        first, *others = await embed_texts([text, *facts], model=LOCAL_MODEL)
+        return [cosine(first, other) for other in others]
+
+    for reply, rule in [(rewrite, Rule.MERGED), ("I'm sorry, but I can't help with that.", Rule.MERGE_FAILED)]:
+        decision = await decide(
+            IncomingWrite(content=incoming, duplicate_threshold=0.95), exact_match=None,
+            nearest=[near(0.8, existing)], consolidate=replying(reply), relatedness=relatedness,
+        )
+        assert decision.rule == rule, (reply, await relatedness(reply, [existing, incoming]))
+
+
 async def test_an_arbitrated_update_must_still_state_both_facts() -> None:
     update = verdict(Operation.UPDATE, near(0.99), "I cannot decide.")
     refused = await decide(
@@ -261,6 +294,6 @@ async def test_an_arbitrated_update_must_still_state_both_facts() -> None:
     assert refused.action is WriteAction.CREATED and refused.rule == "arbitration_failed:guard:order"
     kept = await decide(
         IncomingWrite(content=REVERSED, duplicate_threshold=0.95, policy=WritePolicy.ARBITRATE),
-        exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(ARBITRATION_FLOOR, 0.7),
+        exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(REWRITE_FLOOR, 0.7),
     )
     assert kept.action is WriteAction.UPDATED and kept.merged_content == "I cannot decide."
