@@ -23,6 +23,7 @@ from sqlalchemy import (
     column,
     delete,
     func,
+    literal,
     literal_column,
     or_,
     select,
@@ -510,6 +511,8 @@ async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistor
     return list((await session.scalars(query)).all())
 
 
+_REFERENCE_MAX_CHARS = 255  # memory_entries.source_generation_id / source_conversation_id
+
 ProvenanceRef = tuple[str, str, str]
 """(project id, "generation" or "conversation", its id)."""
 
@@ -550,11 +553,18 @@ async def clear_provenance(
         text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
         {"key": _provenance_lock_key((project_id, kind, value))},
     )
-    await session.execute(
-        insert(ForgottenProvenance)
-        .values(project_id=project_id, kind=kind, reference=value)
-        .on_conflict_do_nothing()
-    )
+    if len(value) <= _REFERENCE_MAX_CHARS:  # a longer one no entry can hold
+        # Of an existing project only: a deletion event of a project deleted since must not fail for ever.
+        await session.execute(
+            insert(ForgottenProvenance)
+            .from_select(
+                ["project_id", "kind", "reference"],
+                select(literal(project_id), literal(kind), literal(value)).where(
+                    select(Project.id).where(Project.id == project_id).exists()
+                ),
+            )
+            .on_conflict_do_nothing()
+        )
     result = await session.execute(
         update(MemoryEntry)
         .where(MemoryEntry.project_id == project_id, column == value)

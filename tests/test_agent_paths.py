@@ -426,6 +426,18 @@ async def _local_embed(texts: Any) -> list[list[float]]:
     return await embed_texts(list(texts), model=LOCAL_MODEL)
 
 
+async def test_forgetting_what_no_entry_can_hold_is_a_no_op_not_an_error(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A deletion event of a project deleted since (the writer would retry it for ever if it failed).
+    async with sessions.begin() as session:
+        assert await repo.clear_provenance(session, "proj_0000000000000000", conversation_id="conv_gone") == 0
+    # An id longer than any entry's reference.
+    long_id = "g" * 300
+    response = await client.delete(f"/generations/{long_id}/provenance", params={"project_id": memory["project_id"]})
+    assert response.status_code == 200 and response.json() == {"cleared": 0}
+
+
 async def test_concurrent_agent_writes_to_one_memory_are_serialised(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
