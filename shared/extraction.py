@@ -174,9 +174,10 @@ class Extractor:
             target, completion = await self._complete(event, targets, build_prompt(event, extraction))
             facts = parse_candidates(completion.text)
             async with self._sessions.begin() as session:
-                await registry.save_extracted_facts(
+                facts, model = await registry.save_extracted_facts(
                     session, event.project_id, event.generation_id, facts, target.model
                 )
+            target = next((t for t in targets if t.model == model), target)
         summary = await self._write(event, memory.id, facts, target)
         return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
 

@@ -147,17 +147,26 @@ async def save_extraction(
 
 async def save_extracted_facts(
     session: AsyncSession, project_id: str, generation_id: str, facts: list[str], model: str
-) -> None:
-    """The model's facts for a turn, before any is written; a finished extraction is left as it is."""
+) -> tuple[list[str], str | None]:
+    """Keep the model's facts for a turn before any is written, and return the facts (and model) in effect: the
+    first saved wins, so two extractions of one turn racing each other write one wording."""
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, status="pending", facts=facts, model=model)
         .on_conflict_do_update(
             index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
             set_={"facts": facts, "model": model, "updated_at": func.now()},
-            where=GenerationExtraction.status.not_in(("completed", "skipped")),
+            where=GenerationExtraction.facts.is_(None),
         )
     )
+    kept = (
+        await session.execute(
+            select(GenerationExtraction.facts, GenerationExtraction.model).where(
+                GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id
+            )
+        )
+    ).one()
+    return list(kept.facts or facts), kept.model
 
 
 async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> str | None:

@@ -311,3 +311,15 @@ async def test_a_turn_naming_another_projects_memory_writes_nothing(
     outcome = await finished(client, memory, "gen_foreign")
     assert outcome["status"] == "skipped" and "no memory of this project" in outcome["reason"]
     assert await entries(client, foreign["id"]) == [] and llm.calls_to("extract-foreign") == []
+
+
+async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # Two extractions of one turn at once (a re-report past the duplicate window): one wording, the first.
+    from shared import registry
+
+    for facts, model in ((["Lunch is at noon"], "scripted/a"), (["Lunch happens at 12:00"], "scripted/b")):
+        async with sessions.begin() as session:
+            kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", facts, model)
+        assert kept == (["Lunch is at noon"], "scripted/a")
