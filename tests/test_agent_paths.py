@@ -499,5 +499,7 @@ async def test_a_tool_call_merges_with_the_projects_registered_provider_or_defau
     llm.script("merge-by-provider", "Customer prefers SMS over phone calls, in the evening.")
     assert (await write("Customer prefers SMS over phone calls, in the evening", bare))["action"] == "updated"
 
-    unknown = await write(EMAIL, {**pinned, "ai_provider_id": "aip_0000000000000000"})
-    assert "names no provider of this project" in unknown["error"]
+    # A provider deleted since: the fact is still written, only without a model to merge with.
+    unknown = await write("Customer prefers SMS over phone calls, in the evening, on weekdays",
+                          {**pinned, "ai_provider_id": "aip_0000000000000000"})
+    assert unknown["action"] == "created", unknown

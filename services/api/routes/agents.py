@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
@@ -31,6 +32,7 @@ from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
 
 router = APIRouter(tags=["agents"])
+log = logging.getLogger("memories.api")
 
 
 class WriteMemoryCall(Strict):
@@ -79,7 +81,9 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
     try:
         agent = agent_for_merges(body.agent, providers=providers, routes=routes, default_route_id=default_route)
     except ResolutionError as exc:
-        return ToolResult(error=str(exc))
+        # A merge is optional; the fact is not: it is written as it would be with no model to merge with.
+        log.warning("tool write without a merge model: %s", exc)
+        agent = body.agent.model_copy(update={"model": None, "ai_provider_id": None, "model_route_id": None})
     await session.rollback()  # no pool slot held while the writer decides
     result = await call_write_memory(
         request.app.state.gateway,
