@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from shared.settings import Settings, get_settings
@@ -64,6 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     started: list[EmbeddedPostgres | EmbeddedNats] = []
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
+    noted_nats: Path | None = None
     try:
         if not settings.database_url:
             postgres = EmbeddedPostgres(settings.data_dir / "postgres")
@@ -75,7 +77,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             env["NATS_URL"] = nats_server.start()
             started.append(nats_server)
             log.info("embedded NATS at %s", env["NATS_URL"])
-        (settings.data_dir / LOCAL_RUN_NATS_FILE).write_text(env["NATS_URL"])
+            # For the one-shot commands (`dlq`, `bus init`); a NATS_URL given to `up` is the operator's to share.
+            noted_nats = settings.data_dir / LOCAL_RUN_NATS_FILE
+            noted_nats.write_text(env["NATS_URL"])
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
         env["MEMORIES_HOST"] = args.host or settings.memories_host
         env["MEMORIES_PORT"] = str(args.port or settings.memories_port)
@@ -97,7 +101,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
-        (settings.data_dir / LOCAL_RUN_NATS_FILE).unlink(missing_ok=True)
+        if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
+            noted_nats.unlink(missing_ok=True)
         for server in reversed(started):
             server.stop()
 

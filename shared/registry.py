@@ -135,6 +135,8 @@ async def save_extraction(
         "model": result.model,
         **result.summary.model_dump(),
     }
+    if result.status == "completed":
+        values["facts"] = None  # written: kept only while a retry might need them
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, **values)

@@ -12,7 +12,7 @@ import nats
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus
+from shared import bus, registry
 from shared.events import GenerationAgent, GenerationCompleted
 from shared.extraction import Extractor, WritesPending
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
@@ -201,6 +201,8 @@ async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_
         await nc.close()
     assert result.status == "completed" and result.summary.candidates == 1
     assert len(llm.calls_to("extract-reworded")) == 1
+    async with sessions() as session:  # written, so no longer kept
+        assert (await registry.get_extraction(session, memory["project_id"], "gen_reworded")).facts is None
     assert [e["content"] for e in await entries(client, memory["id"])] == ["The customer's birthday is on 3 May"]
 
 
@@ -317,8 +319,6 @@ async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
     memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     # Two extractions of one turn at once (a re-report past the duplicate window): one wording, the first.
-    from shared import registry
-
     for facts, model in ((["Lunch is at noon"], "scripted/a"), (["Lunch happens at 12:00"], "scripted/b")):
         async with sessions.begin() as session:
             kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", facts, model)
