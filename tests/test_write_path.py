@@ -286,6 +286,9 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("the write with a broken reply subject stayed pending")
+    # And the partition goes on: the next write to the memory is decided.
+    after = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Decided after it"})
+    assert after.status_code == 201, after.text
 
 
 async def test_an_unreadable_event_fails_only_a_pending_record_of_its_own_memory(
