@@ -198,5 +198,18 @@ async def mark_extraction_pending(session: AsyncSession, project_id: str, genera
     return None
 
 
+async def restore_failed_extraction(session: AsyncSession, project_id: str, generation_id: str) -> None:
+    """A retry that could not be published leaves the turn failed, as it found it."""
+    await session.execute(
+        update(GenerationExtraction)
+        .where(
+            GenerationExtraction.project_id == project_id,
+            GenerationExtraction.generation_id == generation_id,
+            GenerationExtraction.status == "pending",
+        )
+        .values(status="failed", reason="a retry could not be published; report the turn again", updated_at=func.now())
+    )
+
+
 async def get_extraction(session: AsyncSession, project_id: str, generation_id: str) -> GenerationExtraction | None:
     return await session.get(GenerationExtraction, (project_id, generation_id))

@@ -18,6 +18,7 @@ from shared.extraction import Extractor, WritesPending
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
+from tests.conftest import open_api
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
 
@@ -323,3 +324,33 @@ async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
         async with sessions.begin() as session:
             kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", facts, model)
         assert kept == (["Lunch is at noon"], "scripted/a")
+
+
+async def test_a_retry_that_cannot_be_published_leaves_the_turn_failed(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    from shared.events import ExtractionSummary
+    from shared.extraction import ExtractionResult
+
+    async with sessions.begin() as session:
+        failed = ExtractionResult("failed", "model down", ExtractionSummary())
+        await registry.save_extraction(session, memory["project_id"], "gen_unpublished", failed)
+
+    class BusDown:
+        def jetstream(self) -> BusDown:
+            return self
+
+        async def publish(self, *_args: Any, **_kwargs: Any) -> None:
+            raise nats.errors.NoServersError()
+
+    body = turn_body(memory, "scripted/unused", "gen_unpublished")
+    async with open_api(settings) as (app, api):
+        bus_client, app.state.nats = app.state.nats, BusDown()
+        try:
+            assert (await api.post("/generations/completed", json=body)).status_code == 503
+        finally:
+            app.state.nats = bus_client
+        status = (await api.get("/generations/gen_unpublished/extraction",
+                                params={"project_id": memory["project_id"]})).json()
+    # Failed still, so the caller's next report is published as a retry, not swallowed as a duplicate.
+    assert status["status"] == "failed"
