@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Row
@@ -213,10 +214,14 @@ class WriteApplier:
     async def _embed_one(self, content: str) -> list[float]:
         return (await self._embed([content]))[0]
 
-    async def _relatedness(self, text: str, facts: list[str]) -> list[float]:
-        """How a model's rewrite is checked against the facts it rewrites (asked only when there is one)."""
-        rewrite, *others = await self._embed([text, *facts])
-        return [cosine(rewrite, other) for other in others]
+    async def _relatedness(self, vectors: dict[str, list[float]], text: str, facts: list[str]) -> list[float]:
+        """How a model's rewrite is checked against the facts it rewrites (asked only when there is one).
+        `vectors` holds the texts embedded already (the incoming fact's); the rewrite's is kept there for
+        the entry it becomes, so nothing is embedded twice while the memory is locked."""
+        missing = [t for t in dict.fromkeys([text, *facts]) if t not in vectors]
+        if missing:
+            vectors.update(zip(missing, await self._embed(missing), strict=True))
+        return [cosine(vectors[text], vectors[fact]) for fact in facts]
 
     def _steps(self, event: MemoryWriteRequested, policy: WritePolicy) -> tuple[ModelSteps | None, ModelSteps | None]:
         """(merge steps, arbitration steps): merges only on agent paths; arbitration with any model."""
@@ -256,6 +261,7 @@ class WriteApplier:
                 embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
             nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
+        vectors = {event.content: embedding} if embedding is not None else {}
         merge, arbitration = self._steps(event, policy)
         decision = await decide(
             IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
@@ -263,9 +269,9 @@ class WriteApplier:
             nearest=nearest,
             consolidate=merge.consolidate if merge else None,
             arbitrate=arbitration.arbitrate if arbitration else None,
-            relatedness=self._relatedness,
+            relatedness=partial(self._relatedness, vectors),
         )
-        entry, change = await self._carry_out(session, event, decision, digest, embedding)
+        entry, change = await self._carry_out(session, event, decision, digest, embedding, vectors)
         copies.record(event.memory_id, decision, entry)
         record = OutcomeRow(
             write_id=event.write_id,
@@ -301,6 +307,7 @@ class WriteApplier:
         decision: Decision,
         digest: str,
         embedding: list[float] | None,
+        vectors: dict[str, list[float]],
     ) -> tuple[Written, EntryChangeKind | None]:
         target = decision.target
         if decision.action is WriteAction.SKIPPED:
@@ -308,7 +315,7 @@ class WriteApplier:
             return Written(target.entry_id, target.content), None
         if decision.action is WriteAction.UPDATED:
             assert target is not None and decision.merged_content is not None
-            merged = await self._merge(session, event, target.entry_id, decision.merged_content)
+            merged = await self._merge(session, event, target.entry_id, decision.merged_content, vectors)
             return Written(merged.id, merged.content), EntryChangeKind.UPDATED
         assert embedding is not None
         entry_id = await repo.insert_entry(
@@ -333,7 +340,12 @@ class WriteApplier:
         return Written(entry_id, event.content), EntryChangeKind.CREATED
 
     async def _merge(
-        self, session: AsyncSession, event: MemoryWriteRequested, entry_id: str, merged_content: str
+        self,
+        session: AsyncSession,
+        event: MemoryWriteRequested,
+        entry_id: str,
+        merged_content: str,
+        vectors: dict[str, list[float]],
     ) -> MemoryEntry:
         entry = await session.get(MemoryEntry, entry_id)
         assert entry is not None
@@ -347,7 +359,8 @@ class WriteApplier:
             {
                 "content": merged_content,
                 "content_hash": content_hash(merged_content),
-                "embedding": await self._embed_one(merged_content),
+                # Embedded when the rewrite was checked, unless no check was made.
+                "embedding": vectors.get(merged_content) or await self._embed_one(merged_content),
                 "embedding_model": self._embedding_model,
                 "tags": tags or None,
                 "metadata_": metadata or None,

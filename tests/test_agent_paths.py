@@ -134,6 +134,32 @@ async def test_merge_consolidates_similar_agent_facts(
     assert history[1]["model"] == model and history[1]["prompt_version"] == "merge-v1"
 
 
+async def test_a_merge_embeds_each_text_once(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    model = llm.script("merge-once", MERGED)
+    await tool_write(client, memory, EMAIL, model)
+    embedded: list[list[str]] = []
+
+    async def counting(texts: Any) -> list[list[float]]:
+        embedded.append(list(texts))
+        return await _local_embed(texts)
+
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=EMAIL_DETAIL,
+        agent=AgentContext(model=model),
+    )
+    applied = await WriteApplier(sessions, counting, LOCAL_MODEL).apply(event)
+    assert applied.outcome.action == "updated"
+    # The incoming fact before the lock; under it, the rewrite and the stored fact for the check, and the
+    # rewrite's vector is the one stored: no text embedded twice.
+    assert embedded == [[EMAIL_DETAIL], [MERGED, EMAIL]]
+    async with sessions() as session:
+        stored = await session.scalar(
+            text("SELECT embedding FROM memory_entries WHERE id = :id"), {"id": applied.outcome.entry_id})
+    assert cosine(stored.to_list(), (await _local_embed([MERGED]))[0]) > 0.999
+
+
 async def test_a_merge_reply_with_nul_is_stored_without_it(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
