@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -151,17 +153,32 @@ async def test_at_most_twenty_and_duplicates_collapse(
     assert len(stored) == summary["created"]
 
 
+def turn_event(memory: dict[str, Any], model: str, generation_id: str, said: str = "facts") -> GenerationCompleted:
+    """A completed turn as the bus carries it, extracting into `memory`."""
+    return GenerationCompleted(
+        event_id=f"evt_{generation_id}", project_id=memory["project_id"], generation_id=generation_id,
+        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
+        messages=[{"role": "user", "content": said}],
+    )
+
+
+@asynccontextmanager
+async def direct_gateway(settings: Settings, sessions: async_sessionmaker[AsyncSession]) -> AsyncIterator[WriteGateway]:
+    """For an `Extractor` run in the test itself (not by the replicas): its writes go to the running writers."""
+    nc = await nats.connect(settings.nats_url)
+    try:
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+        await gateway.start()
+        yield gateway
+    finally:
+        await nc.close()
+
+
 async def test_a_redelivered_turn_writes_nothing_twice(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
     model = llm.script("extract-redelivered", json.dumps(FACTS))
-    event = GenerationCompleted(
-        event_id="evt_redelivered",
-        project_id=memory["project_id"],
-        generation_id="gen_redelivered",
-        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
-        messages=[{"role": "user", "content": "facts"}],
-    )
+    event = turn_event(memory, model, "gen_redelivered")
     nc = await nats.connect(settings.nats_url)
     try:
         for msg_id in ("first", "second"):  # distinct ids: the stream's duplicate window does not help here
@@ -184,22 +201,12 @@ async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_
     # The model words the facts differently each time it is asked (as real models do).
     answers = iter([["The customer's birthday is on 3 May"], ["The client was born on the third of May"]])
     model = llm.script("extract-reworded", lambda _messages: json.dumps(next(answers)))
-    event = GenerationCompleted(
-        event_id="evt_reworded", project_id=memory["project_id"], generation_id="gen_reworded",
-        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
-        messages=[{"role": "user", "content": "My birthday is on 3 May."}],
-    )
-    nc = await nats.connect(settings.nats_url)
-    try:
-        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
-        await gateway.start()
+    event = turn_event(memory, model, "gen_reworded", "My birthday is on 3 May.")
+    async with direct_gateway(settings, sessions) as gateway:
         impatient = Extractor(sessions, gateway, llm_timeout=5, write_timeout=0.001)
         with pytest.raises(WritesPending):  # the writes are queued, not decided in time: the event is retried
             await impatient.extract(event)
-        patient = Extractor(sessions, gateway, llm_timeout=5, write_timeout=15)
-        result = await patient.extract(event)
-    finally:
-        await nc.close()
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
     assert result.status == "completed" and result.summary.candidates == 1
     assert len(llm.calls_to("extract-reworded")) == 1
     async with sessions() as session:  # written, so no longer kept
@@ -219,18 +226,9 @@ async def test_a_rate_limited_model_is_asked_again_after_a_pause(
         return json.dumps(["The user rides a red bicycle"])
 
     model = llm.script("extract-rate-limited", reply)
-    event = GenerationCompleted(
-        event_id="evt_rate_limited", project_id=memory["project_id"], generation_id="gen_rate_limited",
-        agent=GenerationAgent(model=model, knowledge_config={"write_memory_id": memory["id"], "extraction": True}),
-        messages=[{"role": "user", "content": "I ride a red bicycle."}],
-    )
-    nc = await nats.connect(settings.nats_url)
-    try:
-        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
-        await gateway.start()
+    event = turn_event(memory, model, "gen_rate_limited", "I ride a red bicycle.")
+    async with direct_gateway(settings, sessions) as gateway:
         result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
-    finally:
-        await nc.close()
     # Retried on the same target within this delivery, not failed over or left to a redelivery.
     assert result.status == "completed" and result.summary.created == 1
     assert len(llm.calls_to("extract-rate-limited")) == 3
@@ -268,7 +266,8 @@ async def test_failover_to_the_second_route_target_and_usage(
 
 
 async def test_a_turn_the_model_always_rejects_is_dead_lettered(
-    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
 ) -> None:
     model = llm.script("extract-poison", RuntimeError("context length exceeded"))
     nc = await nats.connect(settings.nats_url)
@@ -291,10 +290,12 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     assert again.status_code == 202
     outcome = await finished(client, memory, "gen_poison")
     assert outcome["status"] == "completed" and outcome["summary"]["created"] == 1
-    # Once extracted, a turn reported again is the same turn: not asked twice.
+    # Once extracted, the turn delivered again (past the stream's duplicate window) is answered from its record.
     calls = len(llm.calls_to("extract-poison"))
-    await client.post("/generations/completed", json=turn_body(memory, model, "gen_poison"))
-    await asyncio.sleep(1.0)
+    async with direct_gateway(settings, sessions) as gateway:
+        again = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(
+            turn_event(memory, model, "gen_poison"))
+    assert again.status == "completed" and again.summary.created == 1
     assert len(llm.calls_to("extract-poison")) == calls
 
 
