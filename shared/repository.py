@@ -190,15 +190,20 @@ async def lock_memory(session: AsyncSession, memory_id: str) -> None:
 
 
 async def lock_memories(session: AsyncSession, memory_ids: Iterable[str]) -> None:
-    """`lock_memory` for several memories in one statement. Taken in one global order, so two transactions
-    locking overlapping sets wait for each other instead of deadlocking."""
-    keys = sorted(set(memory_ids))
-    await session.execute(
-        text(
-            "SELECT pg_advisory_xact_lock(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key"
-        ),
-        {"keys": keys},
-    )
+    """`lock_memory` for several memories in one statement."""
+    await _lock_keys(session, memory_ids, shared=False)
+
+
+_LOCK_KEYS = {
+    shared: text(f"SELECT {function}(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key")
+    for shared, function in ((False, "pg_advisory_xact_lock"), (True, "pg_advisory_xact_lock_shared"))
+}
+
+
+async def _lock_keys(session: AsyncSession, keys: Iterable[str], *, shared: bool) -> None:
+    """Advisory locks on text keys until the transaction ends, in one statement. Taken in one global order, so
+    two transactions locking overlapping sets wait for each other instead of deadlocking."""
+    await session.execute(_LOCK_KEYS[shared], {"keys": sorted(set(keys))})
 
 
 # The write path's statements are built once, at import: SQLAlchemy then compiles each once, and a call
@@ -527,12 +532,7 @@ async def hold_provenance(session: AsyncSession, references: Iterable[Provenance
     wanted = sorted(set(references))
     if not wanted:
         return set()
-    await session.execute(
-        text(
-            "SELECT pg_advisory_xact_lock_shared(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key"
-        ),
-        {"keys": sorted(_provenance_lock_key(reference) for reference in wanted)},
-    )
+    await _lock_keys(session, map(_provenance_lock_key, wanted), shared=True)
     # A statement of its own, after the locks: it sees a forgetting committed while this one waited.
     columns = (ForgottenProvenance.project_id, ForgottenProvenance.kind, ForgottenProvenance.reference)
     rows = await session.execute(select(*columns).where(tuple_(*columns).in_(wanted)))
@@ -549,10 +549,7 @@ async def clear_provenance(
     kind = "generation" if generation_id is not None else "conversation"
     assert value is not None
     # Exclusive: entries being written with this reference are committed first and cleared below.
-    await session.execute(
-        text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
-        {"key": _provenance_lock_key((project_id, kind, value))},
-    )
+    await _lock_keys(session, [_provenance_lock_key((project_id, kind, value))], shared=False)
     if len(value) <= _REFERENCE_MAX_CHARS:  # a longer one no entry can hold
         # Of an existing project only: a deletion event of a project deleted since must not fail for ever.
         await session.execute(
