@@ -168,16 +168,16 @@ class Extractor:
 
         if done is not None and done.facts is not None and targets:
             # Asked before, and its facts perhaps partly written: those facts again, never a second answer.
-            facts = list(done.facts)
-            target = next((t for t in targets if t.model == done.model), targets[0])
+            facts, model = list(done.facts), done.model
         else:
-            target, completion = await self._complete(event, targets, build_prompt(event, extraction))
-            facts = parse_candidates(completion.text)
+            asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
             async with self._sessions.begin() as session:
+                # Another extraction of this turn may have saved its answer first: that one is written.
                 facts, model = await registry.save_extracted_facts(
-                    session, event.project_id, event.generation_id, facts, target.model
+                    session, event.project_id, event.generation_id, parse_candidates(completion.text), asked.model
                 )
-            target = next((t for t in targets if t.model == model), target)
+        # The target of the model that answered (its merges use it too); the first when none is known.
+        target = next((t for t in targets if t.model == model), targets[0])
         summary = await self._write(event, memory.id, facts, target)
         return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
 
