@@ -71,6 +71,14 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(value: datetime) -> datetime:
+    # A platform may publish a time without its zone: read as UTC, it stays comparable with ours.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+
+
 class SourceType(StrEnum):
     MANUAL = "manual"
     AGENT = "agent"
@@ -98,7 +106,7 @@ class Event(BaseModel):
 
     event_id: str = Field(description="unique per event; also the JetStream Nats-Msg-Id")
     version: Literal[1] = 1
-    occurred_at: datetime = Field(default_factory=utcnow)
+    occurred_at: UtcDatetime = Field(default_factory=utcnow)
 
 
 class AgentContext(BaseModel):
@@ -127,6 +135,11 @@ class MemoryWriteRequested(Event):
     agent: AgentContext | None = None
     source_generation_id: Text | None = None
     source_conversation_id: Text | None = None
+    sources_seen_at: UtcDatetime | None = Field(
+        default=None,
+        description="when the cited generation and conversation were known to exist (default: occurred_at); "
+        "one forgotten after this time is left out of the entry, one forgotten before it is cited anew",
+    )
     reply_subject: str | None = Field(default=None, description="core NATS subject that awaits the outcome")
 
     @property

@@ -233,6 +233,7 @@ class Extractor:
                 agent=target.context(event.agent.id),
                 source_generation_id=event.generation_id,
                 source_conversation_id=event.conversation_id,
+                sources_seen_at=event.occurred_at,  # the turn's time: a forgetting since then applies to it
             )
             for index, fact in enumerate(facts)
         ]

@@ -7,7 +7,7 @@ import secrets
 import string
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -526,24 +526,29 @@ def _provenance_lock_key(reference: ProvenanceRef) -> str:
     return "provenance\x1f" + "\x1f".join(reference)  # its own namespace: never a memory id's lock
 
 
-async def hold_provenance(session: AsyncSession, references: Iterable[ProvenanceRef]) -> set[ProvenanceRef]:
+async def hold_provenance(
+    session: AsyncSession, references: Iterable[ProvenanceRef]
+) -> dict[ProvenanceRef, datetime]:
     """The references of this transaction's new entries: share-locked until it ends (so forgetting one waits
-    for the entries being written, then clears them too), and of those, the ones already forgotten."""
+    for the entries being written, then clears them too), and of those, the ones forgotten, with when."""
     wanted = sorted(set(references))
     if not wanted:
-        return set()
+        return {}
     await _lock_keys(session, map(_provenance_lock_key, wanted), shared=True)
     # A statement of its own, after the locks: it sees a forgetting committed while this one waited.
     columns = (ForgottenProvenance.project_id, ForgottenProvenance.kind, ForgottenProvenance.reference)
-    rows = await session.execute(select(*columns).where(tuple_(*columns).in_(wanted)))
-    return {(row.project_id, row.kind, row.reference) for row in rows}
+    rows = await session.execute(
+        select(*columns, ForgottenProvenance.forgotten_at).where(tuple_(*columns).in_(wanted))
+    )
+    return {(row.project_id, row.kind, row.reference): row.forgotten_at for row in rows}
 
 
 async def clear_provenance(
     session: AsyncSession, project_id: str, *, generation_id: str | None = None, conversation_id: str | None = None
 ) -> int:
-    """A deleted generation or conversation stops being referenced; the facts learned from it stay. It is
-    remembered as forgotten, so a write still in flight (an extraction, a tool call) cannot bring it back."""
+    """A deleted generation or conversation stops being referenced; the facts learned from it stay. When is
+    remembered, so a write still in flight (an extraction, a tool call) cannot bring it back, while one that
+    cites it after this moment (a conversation id kept after "clear history") keeps its reference."""
     column = MemoryEntry.source_generation_id if generation_id is not None else MemoryEntry.source_conversation_id
     value = generation_id if generation_id is not None else conversation_id
     kind = "generation" if generation_id is not None else "conversation"
@@ -552,15 +557,18 @@ async def clear_provenance(
     await _lock_keys(session, [_provenance_lock_key((project_id, kind, value))], shared=False)
     if len(value) <= _REFERENCE_MAX_CHARS:  # a longer one no entry can hold
         # Of an existing project only: a deletion event of a project deleted since must not fail for ever.
+        # clock_timestamp(), not now(): the moment the lock was granted, after every write that held it.
+        forgetting = insert(ForgottenProvenance).from_select(
+            ["project_id", "kind", "reference", "forgotten_at"],
+            select(literal(project_id), literal(kind), literal(value), func.clock_timestamp()).where(
+                select(Project.id).where(Project.id == project_id).exists()
+            ),
+        )
         await session.execute(
-            insert(ForgottenProvenance)
-            .from_select(
-                ["project_id", "kind", "reference"],
-                select(literal(project_id), literal(kind), literal(value)).where(
-                    select(Project.id).where(Project.id == project_id).exists()
-                ),
+            forgetting.on_conflict_do_update(
+                index_elements=["project_id", "kind", "reference"],
+                set_={"forgotten_at": forgetting.excluded.forgotten_at},
             )
-            .on_conflict_do_nothing()
         )
     result = await session.execute(
         update(MemoryEntry)

@@ -425,15 +425,17 @@ class Decided:
 
 
 async def _forget_forgotten(session: AsyncSession, batch: Sequence[PreparedWrite]) -> Sequence[PreparedWrite]:
-    """The batch with the generations and conversations forgotten meanwhile left out of its new entries'
-    provenance; the others are share-locked until the batch commits (`repository.hold_provenance`)."""
+    """The batch with the generations and conversations forgotten since its writes cited them left out of
+    their new entries' provenance; the others are share-locked until the batch commits
+    (`repository.hold_provenance`)."""
     references = [_references(one.event) for one in batch]
     forgotten = await repo.hold_provenance(session, [ref for refs in references for ref in refs])
     if not forgotten:
         return batch
     kept = []
     for one, refs in zip(batch, references, strict=True):
-        cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten}
+        seen_at = one.event.sources_seen_at or one.event.occurred_at
+        cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten and seen_at <= forgotten[ref]}
         kept.append(replace(one, event=one.event.model_copy(update=cleared)) if cleared else one)
     return kept
 

@@ -421,12 +421,12 @@ async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
     project = memory["project_id"]
     # Forgotten while the write waited in the queue (an extraction still asking its model): the entry is
     # written without the reference.
-    forgot = await client.delete("/conversations/conv_late/provenance", params={"project_id": project})
-    assert forgot.json() == {"cleared": 0}
     late = MemoryWriteRequested(
         event_id=new_write_id(), project_id=project, memory_id=memory["id"], content="Parcels leave at noon",
         source_generation_id="gen_kept", source_conversation_id="conv_late",
     )
+    forgot = await client.delete("/conversations/conv_late/provenance", params={"project_id": project})
+    assert forgot.json() == {"cleared": 0}
     applied = await WriteApplier(sessions, _local_embed, LOCAL_MODEL).apply(late)
     entry = await get_entry(client, applied.outcome.entry_id or "")
     assert (entry["source_generation_id"], entry["source_conversation_id"]) == ("gen_kept", None)
@@ -434,7 +434,7 @@ async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
     # Forgotten while a write holding the reference is being decided: forgetting waits for its commit, then
     # clears the new entry too.
     async with sessions.begin() as session:
-        assert await repo.hold_provenance(session, [(project, "generation", "gen_racing")]) == set()
+        assert await repo.hold_provenance(session, [(project, "generation", "gen_racing")]) == {}
         entry_id = await repo.insert_entry(
             session, memory_id=memory["id"], project_id=project, content="Racing fact", content_hash="h",
             embedding=[1.0] + [0.0] * 383, embedding_model=LOCAL_MODEL, source_type="extraction",
@@ -446,6 +446,38 @@ async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
         await wait_until_blocked_by(session, "forgetting the generation")
     assert (await forgetting).json() == {"cleared": 1}
     assert (await get_entry(client, entry_id))["source_generation_id"] is None
+
+
+async def test_a_conversation_cited_again_after_it_was_forgotten_keeps_its_new_references(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A platform's "clear history" keeps the conversation id: what the conversation says afterwards is cited.
+    project, applier = memory["project_id"], WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+
+    def citing(content: str, **times: Any) -> MemoryWriteRequested:
+        return MemoryWriteRequested(
+            event_id=new_write_id(), project_id=project, memory_id=memory["id"], content=content,
+            source_conversation_id="conv_reused", **times,
+        )
+
+    async def cited(write: MemoryWriteRequested) -> str | None:
+        entry = await get_entry(client, (await applier.apply(write)).outcome.entry_id or "")
+        return entry["source_conversation_id"]
+
+    async def forget() -> None:
+        await client.delete("/conversations/conv_reused/provenance", params={"project_id": project})
+
+    in_flight = citing("The courier comes on Mondays")
+    await forget()
+    assert await cited(citing("The warehouse closes at six")) == "conv_reused"
+    # A turn that ended before the forgetting but is extracted after it: the turn's time decides, not the write's.
+    assert await cited(citing("Invoices go out on Fridays", sources_seen_at=in_flight.occurred_at)) is None
+    assert await cited(in_flight) is None
+    # Forgotten a second time: from then on, as the first time.
+    between = citing("Returns are accepted for 30 days")
+    await forget()
+    assert await cited(between) is None
+    assert await cited(citing("The shop sells bicycles")) == "conv_reused"
 
 
 async def _local_embed(texts: Any) -> list[list[float]]:

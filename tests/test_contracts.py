@@ -4,6 +4,7 @@ from the routes. Regenerate with `memories asyncapi` and `memories openapi`."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 from services.cli_contracts import DOCS, asyncapi, openapi, render
 from shared import events
@@ -36,3 +37,13 @@ def test_every_route_has_a_summary() -> None:
         if not operation.get("summary")
     ]
     assert missing == []
+
+
+def test_an_event_time_without_a_zone_is_read_as_utc() -> None:
+    # A platform publishing turns itself may leave the zone out; its times are compared with ours.
+    turn = events.GenerationCompleted.model_validate(
+        {"event_id": "evt_1", "occurred_at": "2026-12-01T10:00:00", "project_id": "proj_1",
+         "generation_id": "gen_1", "agent": {}}
+    )
+    assert turn.occurred_at == datetime(2026, 12, 1, 10, tzinfo=UTC)
+    assert turn.occurred_at < events.utcnow()  # comparable: no TypeError between naive and aware

@@ -214,6 +214,24 @@ async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_
     assert [e["content"] for e in await entries(client, memory["id"])] == ["The customer's birthday is on 3 May"]
 
 
+async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_without_it(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    model = llm.script("extract-forgotten", lambda messages: json.dumps([messages[0]["content"].split("user: ")[1]]))
+    ended_before = turn_event(memory, model, "gen_before", "The user drives a blue van.")
+    ended_before = ended_before.model_copy(update={"conversation_id": "conv_cleared"})
+    await client.delete("/conversations/conv_cleared/provenance", params={"project_id": memory["project_id"]})
+    ended_after = turn_event(memory, model, "gen_after", "The user plays the cello.")
+    ended_after = ended_after.model_copy(update={"conversation_id": "conv_cleared"})
+    async with direct_gateway(settings, sessions) as gateway:
+        for turn in (ended_before, ended_after):
+            result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(turn)
+            assert result.status == "completed" and result.summary.created == 1
+    cited = {e["content"]: e["source_conversation_id"] for e in await entries(client, memory["id"])}
+    assert cited == {"The user drives a blue van.": None, "The user plays the cello.": "conv_cleared"}
+
+
 async def test_a_rate_limited_model_is_asked_again_after_a_pause(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
     sessions: async_sessionmaker[AsyncSession],

@@ -182,8 +182,8 @@ class ProjectSettings(Base):
 
 
 class ForgottenProvenance(Base):
-    """A generation or conversation a project asked to forget: no entry may reference it again, not even one
-    written by a write that was in flight when it was forgotten."""
+    """A generation or conversation a project asked to forget, and when (the last time, if asked again): no
+    write that cited it before then may reference it, not even one in flight when it was forgotten."""
 
     __tablename__ = "forgotten_provenance"
 
