@@ -34,6 +34,7 @@ from shared.events import (
 )
 from shared.ids import new_write_id
 from shared.search import KnowledgeFilter
+from shared.settings import is_service_variable
 
 
 def _snake(key: str) -> str:
@@ -100,6 +101,18 @@ class KnowledgeConfig(_EitherCase):
         return KnowledgeFilter(memory_ids=tuple(self.memory_ids), tag_patterns=tuple(self.memory_tags))
 
 
+def refuse_service_variable(name: str) -> str:
+    if is_service_variable(name):
+        raise ValueError("names a setting of the service (its admin token, its database): not a provider key")
+    return name
+
+
+KeyVariable = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"), AfterValidator(refuse_service_variable)
+]
+"""The NAME of the environment variable holding a provider's key (the key itself is never stored)."""
+
+
 class AgentSpec(BaseModel):
     """The agent fields a platform sends with a tool call or a completed turn."""
 
@@ -110,7 +123,7 @@ class AgentSpec(BaseModel):
     ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
     model_route_id: str | None = Field(default=None, description="the agent's model route")
     api_base: str | None = None
-    api_key_env: str | None = Field(default=None, description="name of the env variable with the provider key")
+    api_key_env: KeyVariable | None = Field(default=None, description="name of the env variable with the provider key")
     knowledge_config: KnowledgeConfig = Field(
         default_factory=KnowledgeConfig, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
     )

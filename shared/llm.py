@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from shared.decision import Arbitration, Candidate, Operation
 from shared.events import AgentContext
 from shared.metrics import Purpose
+from shared.settings import is_service_variable
 
 log = logging.getLogger("memories.llm")
 
@@ -50,6 +52,36 @@ class RateLimited(LlmError):
     """The provider asked us to slow down: worth retrying the same target after a pause."""
 
 
+FAILURE_MAX_CHARS = 300
+"""A provider's error as a tenant reads it on its turn: enough to tell a wrong key from a full context."""
+
+_CREDENTIAL = re.compile(r"(?i)\b(bearer|basic)\s+\S+")
+_LITELLM_BOILERPLATE = ("Traceback (most recent call last)", "This looks like a bug in LiteLLM")
+
+
+def describe_failure(exc: BaseException, *secrets: str | None) -> str:
+    """A provider's failure as a tenant may read it (stored on its turn, logged): no traceback, no bug-report
+    link, no credential the provider echoed back, one line of at most FAILURE_MAX_CHARS."""
+    text = str(exc)
+    for marker in _LITELLM_BOILERPLATE:
+        text = text.split(marker, 1)[0]
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    text = " ".join(_CREDENTIAL.sub(r"\1 [redacted]", text).split()) or type(exc).__name__
+    return text if len(text) <= FAILURE_MAX_CHARS else text[: FAILURE_MAX_CHARS - 1] + "…"
+
+
+def provider_key(variable: str | None) -> str | None:
+    """The key a provider names by its variable; never one of the service's own settings (the admin token,
+    the database URL): a provider's endpoint would receive it."""
+    if not variable:
+        return None
+    if is_service_variable(variable):
+        raise LlmError(f"api_key_env {variable!r} names a setting of the service, not a provider key")
+    return os.environ.get(variable)
+
+
 def _litellm() -> Any:
     from shared.litellm_loader import load_litellm
 
@@ -72,7 +104,7 @@ async def complete(
 
     litellm = _litellm()
     # The provider key is named, never stored: the event carries the variable's name only.
-    api_key = os.environ.get(agent.api_key_env) if agent.api_key_env else None
+    api_key = provider_key(agent.api_key_env)
     try:
         with metrics.track_llm(agent.model, purpose) as call:
             response = await litellm.acompletion(
@@ -89,7 +121,7 @@ async def complete(
     except Exception as exc:
         # litellm maps every provider's "slow down" (HTTP 429) onto its RateLimitError.
         error = RateLimited if isinstance(exc, litellm.RateLimitError) else LlmError
-        raise error(f"{purpose} completion with {agent.model!r} failed: {exc}") from exc
+        raise error(f"{purpose} completion with {agent.model!r} failed: {describe_failure(exc, api_key)}") from exc
     usage = getattr(response, "usage", None)
     return Completion(
         text=text,

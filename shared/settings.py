@@ -79,3 +79,10 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def is_service_variable(name: str) -> bool:
+    """Whether an environment variable is one of the service's settings (read case-insensitively), or in its
+    namespace: what no AI provider may name as its key."""
+    return name.upper().startswith("MEMORIES_") or name.lower() in Settings.model_fields
+

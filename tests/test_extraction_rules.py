@@ -17,6 +17,7 @@ from shared.extraction import (
     gate,
     parse_candidates,
 )
+from shared.llm import FAILURE_MAX_CHARS, describe_failure
 from shared.providers import Provider, ResolutionError, Target, resolve_targets
 
 
@@ -165,3 +166,17 @@ def test_resolution_refusals(extraction: dict[str, Any], agent: dict[str, Any]) 
 def test_a_malformed_stored_config_skips_the_turn_with_a_reason() -> None:
     decision = gate(turn({**TARGET, "extraction": True, "memoryIds": [1, 2]}))
     assert (decision.run, decision.reason) == (False, "invalid_knowledge_config")
+
+
+def test_a_provider_failure_is_told_without_traceback_link_or_credentials() -> None:
+    echoed = RuntimeError(
+        "litellm.NotFoundError: OpenAIException - Not found: POST /v1/chat (auth Bearer sk-live-123 key sk-live-123)\n"
+        "Traceback (most recent call last):\n  File \"/srv/app/litellm/main.py\", line 6612\n"
+        "This looks like a bug in LiteLLM rather than in your request. https://github.com/BerriAI/litellm/issues/new"
+    )
+    told = describe_failure(echoed, "sk-live-123", None)
+    assert told == "litellm.NotFoundError: OpenAIException - Not found: POST /v1/chat (auth Bearer [redacted] key [redacted])"
+    assert describe_failure(RuntimeError("Basic dXNlcjpwYXNz")) == "Basic [redacted]"
+    assert describe_failure(TimeoutError()) == "TimeoutError"
+    long = describe_failure(RuntimeError("x" * 1000))
+    assert len(long) == FAILURE_MAX_CHARS and long.endswith("…")

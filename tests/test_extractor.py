@@ -317,6 +317,17 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     assert len(llm.calls_to("extract-poison")) == calls
 
 
+async def test_a_provider_failure_is_recorded_without_its_traceback(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # litellm itself fails (a custom provider with no address), and its message carries a traceback.
+    await client.post("/generations/completed", json=turn_body(memory, "custom/unconfigured", "gen_unconfigured"))
+    outcome = await finished(client, memory, "gen_unconfigured")
+    assert outcome["status"] == "failed" and "api_base not set" in outcome["reason"]
+    assert "Traceback" not in outcome["reason"] and "\n" not in outcome["reason"]
+    assert "github.com" not in outcome["reason"]
+
+
 async def test_unknown_generation_is_404(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
     response = await client.get("/generations/gen_nope/extraction", params={"project_id": memory["project_id"]})
     assert response.status_code == 404

@@ -21,6 +21,7 @@ from services.api.main import API_PREFIX, create_app
 from shared import repository as repo
 from shared.db.models import ApiKey
 from shared.ids import ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id, new_write_id
+from shared.llm import LlmError, provider_key
 from shared.settings import Settings
 
 
@@ -390,3 +391,25 @@ async def test_a_project_key_cannot_point_the_writer_at_an_address_or_a_secret(
     assert refused.status_code == 403, refused.text
     fields = [problem["field"] for problem in refused.json()["error"]["meta"]["invalid_fields"]]
     assert fields == [f"agent.{next(iter(agent_fields))}"]
+
+
+@pytest.mark.parametrize("variable", ["MEMORIES_ADMIN_TOKEN", "database_url", "Nats_Url", "MEMORIES_ANYTHING"])
+async def test_no_provider_may_name_a_setting_of_the_service_as_its_key(
+    client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], variable: str
+) -> None:
+    """Its endpoint would receive the service's admin token or database URL as a bearer key."""
+    provider = {"project_id": tenants[0].target.project_id, "name": "self-hosted", "provider": "openai",
+                "api_base": "http://127.0.0.1:9/v1"}
+    refused = await client.post("/ai-providers", json={**provider, "api_key_env": variable})
+    assert refused.status_code == 400, refused.text
+    assert [p["field"] for p in refused.json()["error"]["meta"]["invalid_fields"]] == ["api_key_env"]
+    tool = {"content": "Alice likes tea", "agent": {"model": "openai/anything", "api_key_env": variable,
+            "knowledge_config": {"write_memory_id": tenants[0].target.memory_id}}}
+    assert (await client.post("/tools/write_memory", json=tool)).status_code == 400
+    assert (await client.post("/ai-providers", json={**provider, "api_key_env": "ACME_OPENAI_KEY"})).status_code == 201
+
+
+def test_a_provider_stored_before_the_rule_cannot_send_a_setting_either() -> None:
+    with pytest.raises(LlmError, match="names a setting of the service"):
+        provider_key("MEMORIES_ADMIN_TOKEN")
+    assert provider_key(None) is None

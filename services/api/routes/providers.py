@@ -11,11 +11,11 @@ from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.schemas import Name, Strict, Timestamp
 from shared import registry
+from shared.agents import KeyVariable
 from shared.events import Text
 
 router = APIRouter(tags=["model registry"])
 
-EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
 
 
@@ -24,7 +24,7 @@ class ProviderCreate(Strict):
     name: Name
     provider: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$", description="litellm prefix, e.g. openai")]
     api_base: Annotated[Text, Field(max_length=2048)] | None = None
-    api_key_env: EnvName | None = Field(default=None, description="NAME of the env variable with the key")
+    api_key_env: KeyVariable | None = Field(default=None, description="NAME of the env variable with the key")
     default_model: ModelName | None = None
 
 
