@@ -56,11 +56,13 @@ async def reference_context(
 ) -> ReferenceContext:
     """Search with the agent's config, the last user message as the query, and build the message.
 
-    Without a message, the config's memories are listed oldest first; with neither a message nor a
-    filter there is nothing to search and no message. A message longer than an entry may be is cut to
-    that length before embedding (the model reads far less anyway). Raises EmbeddingError."""
+    Without a message, the config's memories are listed oldest first. A config that names no memories to
+    read (no `memory_ids`, no `memory_tags`: an agent that only writes) reads nothing: searching the whole
+    project instead would hand one end user's facts to another's agent where each has a memory of their own.
+    A message longer than an entry may be is cut to that length before embedding (the model reads far less
+    anyway). Raises EmbeddingError."""
     query = message[:CONTENT_MAX_CHARS] if message and message.strip() else None
-    if query is None and not config.filters.given:
+    if not config.filters.given:
         return ReferenceContext(None, KnowledgeResults([], SearchPath.NOTHING))
     results = await search_knowledge(
         session,
