@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import registry
 from shared import repository as repo
 from shared.agents import ExtractionConfig, KnowledgeConfig
+from shared.context import PREAMBLE
 from shared.events import (
     CONTENT_MAX_CHARS,
     ExtractionSummary,
@@ -68,20 +69,39 @@ def gate(event: GenerationCompleted) -> Gate:
         return Gate(False, "no_write_memory_id")
     if event.extract is False:
         return Gate(False, "turn_opted_out")
-    if event.extract is True:
-        return Gate(True, config=config)
     extraction = config.extraction
-    enabled = extraction is True or (isinstance(extraction, ExtractionConfig) and extraction.enabled)
-    return Gate(True, config=config) if enabled else Gate(False, "extraction_disabled")
+    enabled = event.extract is True or extraction is True or (
+        isinstance(extraction, ExtractionConfig) and extraction.enabled
+    )
+    if not enabled:
+        return Gate(False, "extraction_disabled")
+    if not transcript_lines(event):  # instructions and reference material only: no model call for nothing
+        return Gate(False, "nothing_said")
+    return Gate(True, config=config)
+
+
+NOT_SAID = frozenset({"system", "developer"})
+"""Roles whose messages are the agent's instructions, not the conversation: doctrine, never a memory."""
+
+
+def transcript_lines(event: GenerationCompleted) -> list[str]:
+    """What was said in the turn, one `role: content` line a message. Left out: instructions, and the
+    reference context this service handed the model (its facts are stored already; extracting them again
+    would copy read-only memories into the write memory). Line breaks are folded, so that no message can
+    forge a line of another role."""
+    said = [
+        (m.role, m.content) for m in event.messages
+        if m.content and m.role not in NOT_SAID and not m.content.startswith(PREAMBLE)
+    ]
+    if event.output and (not event.messages or event.messages[-1].content != event.output):
+        said.append(("assistant", event.output))
+    return [f"{role}: {' '.join(content.splitlines())}" for role, content in said]
 
 
 def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None) -> list[dict[str, str]]:
     """A custom prompt replaces the instructions only: the contract line and the transcript always follow."""
     instructions = (extraction.prompt if extraction and extraction.prompt else None) or DEFAULT_INSTRUCTIONS
-    lines = [f"{m.role}: {m.content}" for m in event.messages if m.content]
-    if event.output and (not event.messages or event.messages[-1].content != event.output):
-        lines.append(f"assistant: {event.output}")
-    transcript = "\n".join(lines)
+    transcript = "\n".join(transcript_lines(event))
     return [{"role": "user", "content": f"{instructions}\n\n{CONTRACT_LINE}\n\nConversation:\n{transcript}"}]
 
 

@@ -174,7 +174,8 @@ def observe_extraction(outcome: str) -> None:
 
 
 _TURN_GATE_REASONS = frozenset(
-    {"streamed", "turn_opted_out", "extraction_disabled", "no_write_memory_id", "invalid_knowledge_config"}
+    {"streamed", "turn_opted_out", "extraction_disabled", "no_write_memory_id", "invalid_knowledge_config",
+     "nothing_said"}
 )
 
 
