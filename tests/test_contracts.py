@@ -47,3 +47,22 @@ def test_an_event_time_without_a_zone_is_read_as_utc() -> None:
     )
     assert turn.occurred_at == datetime(2026, 12, 1, 10, tzinfo=UTC)
     assert turn.occurred_at < events.utcnow()  # comparable: no TypeError between naive and aware
+
+
+def test_the_document_tells_the_error_envelope_not_fastapis_422() -> None:
+    document = openapi()
+    operations = [
+        (path, method, operation) for path, methods in document["paths"].items() if path.startswith("/api/v1")
+        for method, operation in methods.items()
+    ]
+    envelope = {"$ref": "#/components/schemas/ErrorEnvelope"}
+    for path, method, operation in operations:
+        responses = operation["responses"]
+        assert "422" not in responses, (method, path)
+        for status in ("400", "401", "403", "503", "default"):
+            assert responses[status]["content"]["application/json"]["schema"] == envelope, (method, path, status)
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    for path in ("/api/v1/memory-entries", "/api/v1/orchestration/memory-write"):
+        responses = document["paths"][path]["post"]["responses"]
+        assert {status: responses[status]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+                for status in ("200", "201", "202")} == {"200": "EntryWritten", "201": "EntryWritten", "202": "WriteAccepted"}

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +26,20 @@ _CODES = {
     503: "SERVICE_UNAVAILABLE",
     500: "INTERNAL_ERROR",
 }
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="one of " + ", ".join(dict.fromkeys(_CODES.values())), examples=["VALIDATION_FAILED"])
+    message: str
+    meta: dict[str, Any] | None = Field(
+        default=None, description="details, e.g. `invalid_fields` [{field, message}], `unknown_fields`, `write_id`"
+    )
+
+
+class ErrorEnvelope(BaseModel):
+    """Every failure of the API, whatever its status."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -123,6 +138,8 @@ def install(app: FastAPI) -> None:
         # A value the request models let through but the database refuses: the client's, so a 400, and a
         # gap in validation worth a warning.
         log.warning("value refused by the database: %s", exc.orig)
+        if "NUL" in str(exc.orig):  # say what to change, not which database refused it
+            return envelope(400, "a value in the request contains a NUL character, which cannot be stored")
         return envelope(400, f"a value in the request cannot be stored: {str(exc.orig).splitlines()[0]}")
 
     @app.exception_handler(DBAPIError)
@@ -136,3 +153,52 @@ def install(app: FastAPI) -> None:
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return envelope(500, "internal error")
+
+
+_ERRORS_BY_STATUS = {
+    "400": "invalid input (`meta.invalid_fields`, `meta.unknown_fields`)",
+    "401": "no or unknown credential",
+    "403": "the credential may not do this",
+    "404": "no such resource in the caller's project",
+    "413": "body or content too large",
+    "503": "the database or the bus is unavailable; retry later",
+    "default": "any other failure (e.g. 409 CONFLICT), in the same envelope",
+}
+
+
+def document_errors(app: FastAPI, prefix: str) -> None:
+    """The OpenAPI document tells what the API answers on failure: the envelope, never FastAPI's 422 (every
+    validation failure is a 400 here), so that a client generated from it knows its errors."""
+    build = app.openapi
+    documented = False
+
+    def openapi() -> dict[str, Any]:
+        nonlocal documented
+        schema = build()  # FastAPI's, kept on the app once built
+        if documented:
+            return schema
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        envelope_schema = ErrorEnvelope.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(envelope_schema.pop("$defs", {}))
+        schemas["ErrorEnvelope"] = envelope_schema
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        reference = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}}
+        for path, operations in schema.get("paths", {}).items():
+            for operation in operations.values():
+                responses = operation["responses"]
+                responses.pop("422", None)
+                if not path.startswith(prefix):
+                    continue
+                statuses = ["400", "401", "403", "503", "default"]
+                if "{" in path:
+                    statuses.append("404")
+                if "requestBody" in operation:
+                    statuses.append("413")
+                for status in sorted(statuses):
+                    responses.setdefault(status, {"description": _ERRORS_BY_STATUS[status], **reference})
+        documented = True
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

@@ -76,4 +76,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(api)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    errors.document_errors(app, API_PREFIX)
     return app

@@ -20,7 +20,7 @@ from services.api.deps import (
     scope,
 )
 from services.api.errors import ApiError, invalid
-from services.api.routes.entries import load_entry, submit_write, write_id_for
+from services.api.routes.entries import WRITE_RESPONSES, load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
 from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
 from shared import registry
@@ -119,6 +119,7 @@ class OrchestrationWrite(Strict):
     status_code=201,
     summary="An orchestration memory_write node: never merges; tags may be a {key: value} map",
     dependencies=[require("memories:CreateMemoryEntry")],
+    responses=WRITE_RESPONSES,
 )
 async def orchestration_write(
     body: OrchestrationWrite,

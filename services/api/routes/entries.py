@@ -55,15 +55,20 @@ async def _locked(session: AsyncSession, entry: MemoryEntry) -> MemoryEntry:
     return current
 
 
+WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    201: {"model": EntryWritten, "description": "`created`"},
+    200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`"},
+    202: {"model": WriteAccepted, "description": "queued; the writer has not decided within the timeout"},
+}
+"""What a write answers, on every route that writes through the dedup algorithm."""
+
+
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
     summary="Write an entry through the dedup algorithm",
     dependencies=[require("memories:CreateMemoryEntry")],
-    responses={
-        200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`"},
-        202: {"model": WriteAccepted, "description": "queued; the writer has not decided within the timeout"},
-    },
+    responses=WRITE_RESPONSES,
 )
 async def create_entry(
     body: EntryCreate,
