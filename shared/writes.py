@@ -91,6 +91,9 @@ class Written:
     content: str
 
 
+_POLICIES_REMEMBERED = 100_000
+
+
 class WriteApplier:
     def __init__(
         self,
@@ -109,6 +112,27 @@ class WriteApplier:
         # Arbitration of writes that carry no agent (REST, orchestration) uses the service's own model.
         self._default_agent = AgentContext(model=default_model) if default_model else None
         self._llm_timeout = llm_timeout
+        # Each memory's policy as last decided here: whether its writes may wait on arbitration.
+        self._arbitrating: dict[str, bool] = {}
+
+    def may_wait_on_a_model(self, prepared: PreparedWrite) -> bool:
+        """Whether deciding this write may call a model: an agent's merge, or arbitration (by the write's own
+        policy, else its memory's as last seen here; a memory not seen yet may arbitrate). The writer decides
+        such a write in its partition's own transaction, so that a slow model holds up no other partition."""
+        event = prepared.event
+        if event.agent is not None:
+            return True
+        if self._default_agent is None or prepared.embedding is None:  # no model to ask, or an exact copy
+            return False
+        if event.write_policy is not None:
+            return event.write_policy is WritePolicy.ARBITRATE
+        return self._arbitrating.get(event.memory_id, True)
+
+    def _remember_policies(self, memories: dict[str, Any]) -> None:
+        if len(self._arbitrating) > _POLICIES_REMEMBERED:
+            self._arbitrating.clear()  # a memory forgotten is only asked about again
+        for memory_id, memory in memories.items():
+            self._arbitrating[memory_id] = memory.write_policy == WritePolicy.ARBITRATE.value
 
     async def apply(self, event: MemoryWriteRequested, embedding: list[float] | None = None) -> AppliedWrite:
         """Decide and apply one write. `embedding` may be precomputed by a batching caller."""
@@ -184,6 +208,7 @@ class WriteApplier:
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
         memories = await repo.load_memories(session, [event.memory_id for event in events])
+        self._remember_policies(memories)
         copies = ExactCopies(await repo.find_exact_copies(session, [(one.event.memory_id, one.digest) for one in batch]))
         decided: list[Decided] = []
         earlier: dict[str, Decided] = {}

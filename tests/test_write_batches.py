@@ -12,15 +12,20 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import nats
 import numpy as np
 import pytest
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services.writer.handler import WriteHandler
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
-from shared.events import MemoryWriteOutcome, MemoryWriteRequested, WriteAction
+from shared.embeddings import LOCAL_MODEL, embed_texts
+from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
 from shared.ids import new_write_id
+from shared.llm import ModelSteps
+from shared.settings import Settings
 from shared.writes import AppliedWrite, Decided, WriteApplier
 
 
@@ -45,9 +50,10 @@ async def new_memory(client: httpx.AsyncClient, project: dict[str, Any], name: s
     return (await client.post("/memories", json={"project_id": project["id"], "name": name})).json()
 
 
-def write(memory: dict[str, Any], content: str, write_id: str | None = None) -> MemoryWriteRequested:
+def write(memory: dict[str, Any], content: str, write_id: str | None = None, **fields: Any) -> MemoryWriteRequested:
     return MemoryWriteRequested(
-        event_id=write_id or new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content
+        event_id=write_id or new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content,
+        **fields,
     )
 
 
@@ -307,3 +313,63 @@ def test_the_audit_names_the_model_of_whichever_step_asked_it(rule: str, prompt_
     steps = ModelSteps(AgentContext(model="scripted/m"), timeout=1.0)
     record = _history(event, decision, Written("mem_entry_a", "Merged"), [target], steps)
     assert (record.model, record.prompt_version) == (("scripted/m" if prompt_version else None), prompt_version)
+
+
+async def test_a_write_waiting_on_arbitration_holds_up_no_other_partition(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A REST write may ask for arbitration, which the service's own model makes: it must not run inside the
+    # transaction that other partitions' writes share.
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def held_arbitration(_steps: Any, _incoming: str, _shortlist: Any) -> None:
+        asked.set()
+        await release.wait()
+
+    monkeypatch.setattr(ModelSteps, "arbitrate", held_arbitration)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
+    arbitrated, other = await new_memory(client, project, "arbitrated"), await new_memory(client, project, "other")
+    await applier.apply_batch([write(arbitrated, "Ada prefers tea")])
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(applier, nc, settings)
+        slow = await applier.prepare([write(arbitrated, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)])
+        waiting = asyncio.create_task(handler.decide(slow))
+        await asyncio.wait_for(asked.wait(), 10)
+        try:
+            quick = await asyncio.wait_for(handler.decide(await applier.prepare([write(other, "Bob rides a bike")])), 10)
+        finally:
+            release.set()
+        assert actions(quick) == ["created"]
+        assert actions(await waiting) == ["created"]  # the held verdict counts as failed: the guarded rule
+    finally:
+        await nc.close()
+
+
+async def test_which_writes_may_wait_on_a_model(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    seed, arbitrated = await new_memory(client, project, "seed"), await new_memory(client, project, "arbitrate")
+    await client.put(f"/memories/{arbitrated['id']}", json={"write_policy": "arbitrate"})
+    with_model = WriteApplier(sessions, CountingEmbedder(), "counting", default_model="scripted/arbiter")
+    without_model = WriteApplier(sessions, CountingEmbedder(), "counting")
+    await with_model.apply_batch([write(seed, "Stored first"), write(arbitrated, "Stored too")])
+
+    async def may_wait(applier: WriteApplier, event: MemoryWriteRequested) -> bool:
+        (prepared,) = await applier.prepare([event])
+        return applier.may_wait_on_a_model(prepared)
+
+    agent_write = write(seed, "An agent's fact", agent=AgentContext(model="scripted/agent"))
+    assert await may_wait(without_model, agent_write)  # a merge
+    assert not await may_wait(without_model, write(seed, "x", write_policy=WritePolicy.ARBITRATE))
+    assert await may_wait(with_model, write(arbitrated, "A new fact"))  # its memory's policy, as last decided
+    assert not await may_wait(with_model, write(seed, "A new fact"))
+    assert not await may_wait(with_model, write(arbitrated, "Stored too"))  # an exact copy asks no model
+    assert await may_wait(with_model, write(seed, "Another", write_policy=WritePolicy.ARBITRATE))
+    unseen = await new_memory(client, project, "not decided here yet")
+    assert await may_wait(with_model, write(unseen, "A first fact"))  # its policy is not known yet
+
+
+async def _local_embed(texts: Sequence[str]) -> list[list[float]]:
+    return await embed_texts(list(texts), model=LOCAL_MODEL)

@@ -85,14 +85,17 @@ class WriteHandler:
 
     async def _decide(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
         try:
-            if any(event.agent is not None for _, event in batch.events):
-                # A write that may wait on the agent's model keeps to its partition's own transaction:
-                # a slow model then holds up that partition only.
-                return await self._applier.decide(batch.prepared)
-            # Partitions' prepared batches are decided together, one transaction at a time.
-            return await self._decide_together(batch.prepared)
+            return await self.decide(batch.prepared)
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             return [exc] * len(batch.events)
+
+    async def decide(self, prepared: Sequence[PreparedWrite]) -> Sequence[AppliedWrite | Exception]:
+        """A partition's prepared writes decided in their order. Partitions' batches share one transaction at a
+        time, except a batch with a write that may wait on a model (a merge, arbitration): it keeps to its own,
+        so a slow model holds up that partition only."""
+        if any(self._applier.may_wait_on_a_model(one) for one in prepared):
+            return await self._applier.decide(prepared)
+        return await self._decide_together(prepared)
 
     async def _decode(self, message: Msg) -> MemoryWriteRequested | None:
         """The message's event; None when it was dead-lettered (retrying cannot fix a malformed one)."""
