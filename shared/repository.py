@@ -390,6 +390,16 @@ async def claim_write_id(
     return outcome, retried is not None
 
 
+async def record_pending_write(session: AsyncSession, write_id: str, project_id: str, memory_id: str) -> None:
+    """A published write not decided in time is recorded as pending, unless the writer recorded its outcome
+    meanwhile (a failure included: nothing is queued any more to make it pending again)."""
+    await session.execute(
+        insert(WriteOutcome)
+        .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending")
+        .on_conflict_do_nothing(index_elements=[WriteOutcome.write_id])
+    )
+
+
 async def fail_pending_write(session: AsyncSession, write_id: str, memory_id: str, code: str, message: str) -> bool:
     """A write's pending record (a claim, or a 202's) becomes failed, so a retry with its key may try again and
     its status stops saying pending; a record already applied or failed is left alone. False when there was

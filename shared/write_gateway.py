@@ -129,7 +129,9 @@ class WriteGateway:
         the database down (the likely reason the writer is late), the caller still gets its 202 and write id,
         never an error for a write that will be applied; the writer's outcome creates the record later."""
         try:
-            await self._claim(event)
+            async with self._sessions() as session:
+                await repo.record_pending_write(session, event.write_id, event.project_id, event.memory_id)
+                await session.commit()
         except SQLAlchemyError:
             log.warning("could not record write %s as pending; it stays queued", event.write_id, exc_info=True)
 

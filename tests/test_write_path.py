@@ -120,6 +120,31 @@ async def test_a_write_queued_while_the_database_is_down_answers_202_not_an_erro
     assert (await _wait_applied(sessions, event.write_id)).action == "created"
 
 
+async def test_a_write_that_failed_while_its_caller_gave_up_waiting_stays_failed(
+    settings: Settings, writers: list[Any], client: httpx.AsyncClient, memory: dict[str, Any],
+    sessions: async_sessionmaker[AsyncSession], monkeypatch: Any,
+) -> None:
+    # The writer records the failure (the memory is gone) just before the API records its 202 as pending.
+    gone = (await client.post("/memories", json={"project_id": memory["project_id"], "name": "gone"})).json()
+    assert (await client.delete(f"/memories/{gone['id']}")).status_code == 204
+    event = MemoryWriteRequested(event_id=new_write_id(), project_id=gone["project_id"], memory_id=gone["id"], content="Late")
+    nc = await nats.connect(settings.nats_url)
+    try:
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+        await gateway.start()
+        decide_in_time = gateway._publish_and_wait
+
+        async def answered_too_late(*args: Any, **kwargs: Any) -> None:
+            await decide_in_time(*args, **kwargs)  # the failure is stored by now
+
+        monkeypatch.setattr(gateway, "_publish_and_wait", answered_too_late)
+        assert await gateway.submit(event, timeout=15, fresh_id=True) is None
+    finally:
+        await nc.close()
+    status = (await client.get(f"/memory-writes/{event.write_id}")).json()
+    assert status["status"] == "failed" and status["error"]["code"] == "RESOURCE_NOT_FOUND"
+
+
 async def _publish_raw(settings: Settings, event: MemoryWriteRequested, msg_id: str) -> None:
     nc = await nats.connect(settings.nats_url)
     try:
