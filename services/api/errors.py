@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("memories.api")
@@ -26,6 +27,10 @@ _CODES = {
     503: "SERVICE_UNAVAILABLE",
     500: "INTERNAL_ERROR",
 }
+
+
+_LOCK_NOT_AVAILABLE = "55P03"
+"""The API's `lock_timeout` passed (shared.db.session.create_engine)."""
 
 
 class ErrorDetail(BaseModel):
@@ -127,8 +132,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
+        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            log.warning("gave up waiting for a lock: %s", exc.orig)
+            return envelope(503, "the resource is busy with a write being decided; retry")
         log.warning("database unavailable: %s", exc)
         return envelope(503, "the database is unavailable; retry later")
+
+    @app.exception_handler(PoolTimeout)
+    async def no_connection_free(_request: Request, exc: PoolTimeout) -> JSONResponse:
+        log.warning("no database connection free: %s", exc)
+        return envelope(503, "the service is busy; retry")
 
     @app.exception_handler(DataError)
     async def unstorable_value(_request: Request, exc: DataError) -> JSONResponse:

@@ -13,18 +13,27 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 
 def create_engine(
-    database_url: str, *, pool_size: int = 24, max_overflow: int = 8, pre_ping: bool = True
+    database_url: str,
+    *,
+    pool_size: int = 24,
+    max_overflow: int = 8,
+    pre_ping: bool = True,
+    lock_timeout_s: float | None = None,
 ) -> AsyncEngine:
     """`pool_size` should cover the usual concurrency: a connection beyond it is opened and closed per use,
     and a new PostgreSQL backend costs more than the queries it runs. `pre_ping` costs a round trip per
-    checkout; a consumer whose failed message is redelivered anyway can do without it."""
+    checkout; a consumer whose failed message is redelivered anyway can do without it. `lock_timeout_s`:
+    how long a statement may wait for a lock before it fails (SQLSTATE 55P03); unset, for as long as it takes."""
+    # A dead server must surface as an error quickly (503), not hang a request.
+    connect_args: dict[str, Any] = {"connect_timeout": 5}
+    if lock_timeout_s is not None:
+        connect_args["options"] = f"-c lock_timeout={max(1, round(lock_timeout_s * 1000))}"
     engine = create_async_engine(
         database_url,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_pre_ping=pre_ping,
-        # A dead server must surface as an error quickly (503), not hang a request.
-        connect_args={"connect_timeout": 5},
+        connect_args=connect_args,
     )
     event.listen(engine.sync_engine, "connect", _configure_connection)
     return engine
