@@ -164,7 +164,8 @@ def flatten_tags(tags: Any) -> Any:
         return tags
     if not all(isinstance(value, str | int | float | bool) for value in tags.values()):
         raise ValueError("tag map values must be strings, numbers or booleans")
-    return [f"{key}:{value}" for key, value in tags.items()]
+    # Values spelled as in the JSON they came from: `urgent:true`, not Python's `urgent:True`.
+    return [f"{key}:{json.dumps(value) if isinstance(value, bool) else value}" for key, value in tags.items()]
 
 
 def encode_content(content: Any) -> Any:

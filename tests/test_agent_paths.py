@@ -329,12 +329,12 @@ async def test_orchestration_write_encodes_content_and_flattens_tags(
     response = await client.post(
         "/orchestration/memory-write",
         json={"memory_id": memory["id"], "content": {"order": 42, "status": "shipped"},
-              "tags": {"role": "traffic-manager", "priority": 1}, "metadata": {"node": "n1"}},
+              "tags": {"role": "traffic-manager", "priority": 1, "urgent": True}, "metadata": {"node": "n1"}},
     )
     assert response.status_code == 201, response.text
     entry = response.json()
     assert entry["content"] == '{"order": 42, "status": "shipped"}'
-    assert entry["tags"] == ["role:traffic-manager", "priority:1"]
+    assert entry["tags"] == ["role:traffic-manager", "priority:1", "urgent:true"]  # as JSON spells it
     assert entry["source_type"] == "orchestration" and entry["metadata"] == {"node": "n1"}
     listed = await client.post(
         "/orchestration/memory-write",
