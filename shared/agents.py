@@ -8,6 +8,7 @@ memory the model names.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Annotated, Any
 
@@ -29,6 +30,7 @@ from shared.events import (
     MemoryWriteRequested,
     SourceType,
     Tag,
+    json_text,
     nested_deeper_than,
     refuse_nul,
 )
@@ -164,6 +166,8 @@ def flatten_tags(tags: Any) -> Any:
         return tags
     if not all(isinstance(value, str | int | float | bool) for value in tags.values()):
         raise ValueError("tag map values must be strings, numbers or booleans")
+    if any(isinstance(value, float) and not math.isfinite(value) for value in tags.values()):
+        raise ValueError("tag map values must not be NaN or Infinity (not JSON numbers)")
     # Values spelled as in the JSON they came from: `urgent:true`, not Python's `urgent:True`.
     return [f"{key}:{json.dumps(value) if isinstance(value, bool) else value}" for key, value in tags.items()]
 
@@ -175,7 +179,7 @@ def encode_content(content: Any) -> Any:
         return content
     if nested_deeper_than(content, METADATA_MAX_DEPTH):
         raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
-    return json.dumps(content, ensure_ascii=False, sort_keys=True)
+    return json_text(content, sort_keys=True)
 
 
 def orchestration_event(

@@ -43,6 +43,15 @@ def nested_deeper_than(value: Any, levels: int) -> bool:
     return True
 
 
+def json_text(value: Any, *, sort_keys: bool = False) -> str:
+    """`value` as JSON text. Python's parser reads NaN, Infinity and 1e999, which JSON has not: refused here,
+    rather than stored as null or as text no other JSON reader takes. NUL comes out escaped."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, sort_keys=sort_keys)
+    except ValueError:
+        raise ValueError("must not contain NaN or Infinity (not JSON numbers)") from None
+
+
 def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """Metadata as it may be stored: nested at most METADATA_MAX_DEPTH levels, at most METADATA_MAX_BYTES
     as JSON, no NUL in any key or value."""
@@ -50,7 +59,7 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     if nested_deeper_than(value, METADATA_MAX_DEPTH):
         raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
-    encoded = json.dumps(value, ensure_ascii=False)  # NUL comes out escaped, even without ensure_ascii
+    encoded = json_text(value)
     if "\\u0000" in encoded:
         raise ValueError("must not contain NUL characters")
     if len(encoded.encode()) > METADATA_MAX_BYTES:

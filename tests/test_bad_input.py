@@ -75,6 +75,24 @@ async def test_huge_and_nested_metadata(client: httpx.AsyncClient, memory: dict[
     assert_envelope(big, 400)
 
 
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+async def test_numbers_json_has_not_are_refused_not_stored_as_null(
+    client: httpx.AsyncClient, memory: dict[str, Any], number: float
+) -> None:
+    # Python's parser reads NaN, Infinity and 1e999; a client in another language may send them.
+    for path, body in (
+        ("/memory-entries", {"content": "Odd metadata", "metadata": {"n": number}}),
+        ("/memory-entries", {"content": "Odd nested metadata", "metadata": {"a": [1, {"n": number}]}}),
+        ("/orchestration/memory-write", {"content": {"v": number}}),
+        ("/orchestration/memory-write", {"content": number}),
+        ("/orchestration/memory-write", {"content": "Odd tag", "tags": {"k": number}}),
+    ):
+        raw = json.dumps({"memory_id": memory["id"], **body})  # NaN, Infinity, -Infinity: httpx sends none
+        response = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert_envelope(response, 400)
+        assert "NaN or Infinity" in response.text, response.text
+
+
 @pytest.mark.parametrize("memory_id", ["", "mem_", "mem_../../etc", "mem_%00", "mem_" + "A" * 500, "MEM_AAAAAAAAAAAAAAAA"])
 async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) -> None:
     response = await client.get(f"/memories/{memory_id}") if memory_id else await client.get("/memories/%20")
