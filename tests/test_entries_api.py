@@ -123,6 +123,29 @@ async def test_invalidated_entries_leave_list_and_dedup_but_stay_readable(
     assert restated.status_code == 201 and restated.json()["id"] != old["id"]
 
 
+async def test_an_invalidated_entry_is_history_not_rewritten(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    old = (await write(client, memory["id"], "The office is in Paris")).json()
+    new = (await write(client, memory["id"], "The office is in Lyon")).json()
+    racing = (await write(client, memory["id"], "The office opens at eight")).json()
+    async with sessions.begin() as session:
+        await repo.invalidate_entry(session, old["id"], new["id"])
+    for change in ({"content": "The office is in Nice"}, {"tags": ["moved"]}, {"metadata": {"k": 1}}):
+        refused = await client.put(f"/memory-entries/{old['id']}", json=change)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["meta"] == {"superseded_by_entry_id": new["id"]}
+    assert (await client.get(f"/memory-entries/{old['id']}")).json()["content"] == "The office is in Paris"
+    # Invalidated while the edit waited for the memory's lock.
+    async with sessions.begin() as session:
+        await repo.lock_memory(session, memory["id"])
+        edit = asyncio.create_task(client.put(f"/memory-entries/{racing['id']}", json={"content": "Opens at nine"}))
+        await wait_until_blocked_by(session, "the edit")
+        await repo.invalidate_entry(session, racing["id"], new["id"])
+    assert (await edit).status_code == 409
+    assert (await client.delete(f"/memory-entries/{old['id']}")).status_code == 204  # history may still go
+
+
 async def test_list_entries_requires_a_known_memory(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
     assert (await client.get("/memory-entries")).status_code == 400
     assert (await client.get("/memory-entries", params={"memory_id": "mem_0000000000000000"})).status_code == 404

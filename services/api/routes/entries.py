@@ -179,7 +179,7 @@ async def update_entry(
     principal: PrincipalDep,
     settings: SettingsDep,
 ) -> EntryOut:
-    entry = await load_entry(session, scope(principal), entry_id)
+    entry = _editable(await load_entry(session, scope(principal), entry_id))
     changes: dict[str, Any] = {}
     if "tags" in body.model_fields_set:
         changes["tags"] = body.tags or None
@@ -190,7 +190,7 @@ async def update_entry(
         raise invalid("content cannot be null", "content")
     # Embedded before the lock, so that no model call holds up the memory's decisions.
     vector = await _embedding(content, settings) if content is not None and content != entry.content else None
-    entry = await _locked(session, entry)
+    entry = _editable(await _locked(session, entry))  # invalidated while this edit waited, too
     before = entry.content
     if content is not None and content != entry.content:
         if vector is None:  # a decision rewrote the entry while this edit waited for the lock
@@ -208,6 +208,20 @@ async def update_entry(
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
+
+
+def _editable(entry: MemoryEntry) -> MemoryEntry:
+    """An invalidated entry is history: kept as it was, never rewritten (it may still be deleted)."""
+    if entry.invalidated_at is None:
+        return entry
+    successor = entry.superseded_by_entry_id
+    raise ApiError(
+        409,
+        f"memory entry {entry.id} was invalidated"
+        + (f" (superseded by {successor}); edit that one" if successor else "")
+        + ": its history is kept as it was",
+        meta={"superseded_by_entry_id": successor} if successor else None,
+    )
 
 
 async def _embedding(content: str, settings: Settings) -> list[float]:
