@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from shared.agents import AgentSpec, write_memory_event
-from shared.events import CONTENT_MAX_CHARS
+from shared.events import CONTENT_MAX_CHARS, StoredContent
 from shared.write_gateway import BusUnavailable, WriteGateway
 
 WRITE_MEMORY_TOOL: dict[str, Any] = {
@@ -35,26 +35,43 @@ WRITE_MEMORY_TOOL: dict[str, Any] = {
 }
 
 
+_CONTENT = TypeAdapter(StoredContent)
+
+
+def content_problem(content: Any) -> str | None:
+    """What is wrong with a model's `content` argument, told back to the model as the tool's `{error}`; None
+    when it can be written."""
+    if content is None:
+        return "content is required: the fact to remember, as one sentence"
+    if isinstance(content, str) and not content.strip():
+        return "content must not be blank"
+    try:
+        _CONTENT.validate_python(content, strict=True)
+    except ValidationError as exc:
+        return f"content is not a fact that can be stored: {exc.errors()[0]['msg']}"
+    return None
+
+
 async def call_write_memory(
     gateway: WriteGateway,
     *,
     project_id: str,
     agent: AgentSpec,
-    content: str,
+    content: Any,
     generation_id: str | None,
     timeout: float,
 ) -> dict[str, Any]:
-    """Execute one `write_memory` tool call; the result goes back to the model: `{action, entry_id}` or
-    `{error}`. The caller has checked that `write_memory_id` is a memory of `project_id`."""
+    """Execute one `write_memory` tool call, its `content` as the model gave it; the result goes back to the
+    model: `{action, entry_id}` or `{error}`. The caller has checked that `write_memory_id` is a memory of
+    `project_id`."""
     memory_id = agent.knowledge_config.write_memory_id
     if not memory_id:
         return {"error": "this agent has no write_memory_id: memory writing is not enabled"}
-    try:
-        event = write_memory_event(
-            project_id=project_id, memory_id=memory_id, content=content, agent=agent, generation_id=generation_id
-        )
-    except ValidationError:
-        return {"error": f"content must be 1 to {CONTENT_MAX_CHARS} characters"}
+    if (problem := content_problem(content)) is not None:
+        return {"error": problem}
+    event = write_memory_event(
+        project_id=project_id, memory_id=memory_id, content=content, agent=agent, generation_id=generation_id
+    )
     try:
         outcome = await gateway.submit(event, timeout=timeout)
     except BusUnavailable:

@@ -496,6 +496,22 @@ async def test_forgetting_what_no_entry_can_hold_is_a_no_op_not_an_error(
     assert response.status_code == 200 and response.json() == {"cleared": 0}
 
 
+@pytest.mark.parametrize(
+    ("content", "told"),
+    [("", "blank"), ("   ", "blank"), ("x" * 8_001, "at most 8000"), (123, "string"), (None, "required"),
+     ("a\u0000b", "NUL"), (["a fact"], "string")],
+)
+async def test_a_wrong_content_argument_is_told_to_the_model_not_refused_to_the_platform(
+    client: httpx.AsyncClient, memory: dict[str, Any], content: Any, told: str
+) -> None:
+    # The platform hands the model's arguments over as they are; the tool's result goes back to the model.
+    body = {"content": content, "agent": agent("scripted/x", memory["id"]), "project_id": memory["project_id"]}
+    response = await client.post("/tools/write_memory", json=body)
+    assert response.status_code == 200, response.text
+    assert set(response.json()) == {"error"} and told in response.json()["error"]
+    assert (await client.get("/memory-entries", params={"memory_id": memory["id"]})).json()["total"] == 0
+
+
 async def test_concurrent_agent_writes_to_one_memory_are_serialised(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:

@@ -378,7 +378,7 @@ async def test_the_tool_definition_needs_a_credential(client: httpx.AsyncClient,
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "UNAUTHORIZED"
 
 
-@pytest.mark.parametrize("agent_fields", [{"api_base": "http://127.0.0.1:9/v1"}, {"api_key_env": "MEMORIES_ADMIN_TOKEN"}])
+@pytest.mark.parametrize("agent_fields", [{"api_base": "http://127.0.0.1:9/v1"}, {"api_key_env": "OPENAI_API_KEY"}])
 async def test_a_project_key_cannot_point_the_writer_at_an_address_or_a_secret(
     client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], agent_fields: dict[str, str]
 ) -> None:

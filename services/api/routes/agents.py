@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import (
@@ -26,7 +26,7 @@ from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
 from shared import registry
 from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
-from shared.events import SourceType, Text
+from shared.events import CONTENT_MAX_CHARS, SourceType, Text
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
@@ -36,7 +36,12 @@ log = logging.getLogger("memories.api")
 
 
 class WriteMemoryCall(Strict):
-    content: Content
+    # The model's argument as it gave it: a wrong one is told back to the model as `{error}`, not a 400 to the
+    # platform (shared.tools.content_problem).
+    content: Annotated[
+        Any,
+        WithJsonSchema({"type": "string", "maxLength": CONTENT_MAX_CHARS, "description": "the fact, as the model gave it"}),
+    ] = None
     agent: AgentSpec
     generation_id: Text | None = Field(default=None, min_length=1, max_length=255)
     memory_id: str | None = Field(default=None, description="if given, must be the agent's write_memory_id")
