@@ -122,3 +122,38 @@ async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_aft
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()
+
+
+async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: Settings, writers: list[Any]) -> None:
+    partition = settings.memories_partitions + 9  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=8, ack_wait=60.0)
+    handled: list[Msg] = []
+
+    async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
+        handled.extend(messages)
+        return messages
+
+    async def finish(messages: Sequence[Msg]) -> None:
+        for message in messages:
+            await message.ack()
+
+    try:
+        consumer = PartitionConsumer(js, partition, prepare, finish, batch=8, ack_wait_s=60.0)
+        consumer.start()
+        await asyncio.sleep(0.5)  # idle: its fetch waits on the server for a first message
+        stopping = asyncio.create_task(consumer.stop(timeout=10))
+        await asyncio.sleep(0.1)
+        # A write published as the writer stops (a rolling deploy): it must not wait out the 60 s ack wait.
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_late", b"late", stream=bus.WRITES_STREAM)
+        await asyncio.wait_for(stopping, 10)
+        assert handled == []
+        successor = await js.pull_subscribe_bind(durable=bus.writer_durable(partition), stream=bus.WRITES_STREAM)
+        [message] = await successor.fetch(batch=1, timeout=5)
+        assert message.data == b"late" and message.metadata.num_delivered == 2
+        await message.ack()
+        await successor.unsubscribe()
+    finally:
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()

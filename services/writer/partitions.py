@@ -50,37 +50,56 @@ class PartitionConsumer(Generic[Prepared]):
         self._ack_wait_s = ack_wait_s
         self._loop: asyncio.Task[None] | None = None
         self._in_hand: set[asyncio.Task[None]] = set()
+        self._subscription: JetStreamContext.PullSubscription | None = None
         self._stopping = False
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._consume(), name=f"writer-partition-{self.partition}")
 
     async def stop(self, timeout: float) -> None:
-        """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered."""
+        """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered.
+
+        A fetch under way is let finish (at most FETCH_WAIT_S) rather than cancelled: cancelled, its pull
+        request stays open on the server, and what it then delivers would sit unhandled until the ack wait
+        expired (and the connection's drain would wait on it as long). What it brings is handed back at once."""
         self._stopping = True
         if self._loop is not None:
-            self._loop.cancel()  # the batches in hand are tasks of their own and go on
+            if not (await asyncio.wait({self._loop}, timeout=FETCH_WAIT_S + timeout))[0]:
+                self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
         if self._in_hand:
             await asyncio.wait(self._in_hand, timeout=timeout)
 
     async def _consume(self) -> None:
-        subscription = None
+        try:
+            await self._fetch_until_stopped()
+        finally:  # no pull request of this loop left open for the connection's drain to wait on
+            if self._subscription is not None:
+                with contextlib.suppress(nats.errors.Error):
+                    await self._subscription.unsubscribe()
+                self._subscription = None
+
+    async def _fetch_until_stopped(self) -> None:
         previous: asyncio.Task[None] | None = None
         while not self._stopping:
             try:
-                if subscription is None:
-                    subscription = await self._js.pull_subscribe_bind(
+                if self._subscription is None:
+                    self._subscription = await self._js.pull_subscribe_bind(
                         durable=bus.writer_durable(self.partition), stream=bus.WRITES_STREAM
                     )
-                messages = await subscription.fetch(batch=self._batch, timeout=FETCH_WAIT_S)
+                messages = await self._subscription.fetch(batch=self._batch, timeout=FETCH_WAIT_S)
             except TimeoutError:
                 continue
             except nats.errors.Error as exc:  # reconnecting, or the stream's leader is being elected
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
                 await asyncio.sleep(1.0)
                 continue
+            if self._stopping:  # fetched while stopping: another replica (or the next start) takes them now
+                for message in messages:
+                    with contextlib.suppress(nats.errors.Error):
+                        await message.nak()
+                return
             prepared = asyncio.Event()
             # A task of its own: stopping waits for the batches in hand instead of abandoning one half-decided.
             current = asyncio.create_task(self._handle(messages, previous, prepared))
