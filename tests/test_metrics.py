@@ -28,6 +28,7 @@ from shared.providers import ResolutionError, resolve_targets
 from shared.scripted_llm import scripted_llm
 from shared.servers import free_port
 from shared.settings import Settings
+from tests.conftest import open_api
 
 # The names the dashboard and the alerts are written against: renaming one breaks them.
 EXPOSED_METRICS = [
@@ -526,3 +527,19 @@ async def test_an_extractor_serves_metrics_and_probes_on_its_own_port(settings: 
             assert "# TYPE memories_extractions_total counter" in (await http.get("/metrics")).text
     finally:
         await extractor.stop()
+
+
+async def test_the_api_reports_the_lag_of_every_consumer_whichever_replicas_run(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each writer reports only its own partitions: the backlog of a range whose writer is down shows through the API.
+    polled: list[list[metrics.ConsumerRef]] = []
+
+    async def record(_js: Any, consumers: Any, *_args: Any, **_kwargs: Any) -> None:
+        polled.append(list(consumers))
+
+    monkeypatch.setattr(metrics, "run_lag_poller", record)
+    async with open_api(settings):
+        await asyncio.sleep(0)
+    assert polled == [metrics.writer_consumers(settings) + metrics.queue_consumers(settings)]
+    assert len(metrics.writer_consumers(settings)) == settings.memories_partitions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,6 +27,7 @@ from services.api.routes import (
     writes,
 )
 from shared import bus
+from shared import metrics as service_metrics
 from shared.db.session import create_engine, session_factory
 from shared.lifecycle import freeze_long_lived_objects
 from shared.settings import Settings
@@ -57,10 +60,19 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.memory_owners = MemoryOwners()
         app.state.live_keys = LiveKeys(nc, settings.memories_api_key_cache_s)
         await app.state.live_keys.start()
+        # Every consumer of the layout, whichever replicas run: the backlog of a partition range whose writer is
+        # down shows here too (each writer reports only its own).
+        every_consumer = service_metrics.writer_consumers(settings) + service_metrics.queue_consumers(settings)
+        lag_poller = asyncio.create_task(
+            service_metrics.run_lag_poller(nc.jetstream(), every_consumer), name="api-lag-poller"
+        )
         freeze_long_lived_objects()
         try:
             yield
         finally:
+            lag_poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag_poller
             await nc.drain()
             await engine.dispose()
 
