@@ -35,14 +35,24 @@ def _configure_logging() -> None:
     configure(log_format)
 
 
-def _parse_partitions(spec: str | None) -> list[int] | None:
-    """`0-7` or `0,3,5`: the partitions a writer replica binds to (default: all)."""
+def _parse_partitions(spec: str | None, count: int | None = None) -> list[int] | None:
+    """`0-7` or `0,3,5`: the partitions a writer replica binds to (default: all). With `count` (the deployment's
+    MEMORIES_PARTITIONS), one that does not exist is refused: a stale range would look healthy and consume
+    nothing. Raises ValueError."""
     if not spec:
         return None
     partitions: list[int] = []
     for part in spec.split(","):
-        low, _, high = part.partition("-")
-        partitions.extend(range(int(low), int(high or low) + 1))
+        low, dash, high = part.strip().partition("-")
+        high = high if dash else low
+        if not low.isdigit() or not high.isdigit() or int(high) < int(low):
+            raise ValueError(f"--partitions {spec!r}: expected ranges such as 0-7 or a list such as 0,3,5")
+        partitions.extend(range(int(low), int(high) + 1))
+    missing = sorted({p for p in partitions if count is not None and p >= count})
+    if missing:
+        raise ValueError(
+            f"--partitions {spec!r}: partitions {missing} do not exist (MEMORIES_PARTITIONS is {count}: 0-{count - 1})"
+        )
     return partitions
 
 
@@ -181,7 +191,13 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_writer(args: argparse.Namespace) -> int:
     from services.writer.main import run
 
-    run_service(run(get_settings(), _parse_partitions(args.partitions)))
+    settings = get_settings()
+    try:
+        partitions = _parse_partitions(args.partitions, settings.memories_partitions)
+    except ValueError as exc:
+        print(f"memories writer: {exc}", file=sys.stderr)
+        return 2
+    run_service(run(settings, partitions))
     return 0
 
 

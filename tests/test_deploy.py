@@ -19,10 +19,10 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from nats.js.api import RetentionPolicy
 
-from services.cli import _parse_partitions, build_parser
+from services.cli import _parse_partitions, build_parser, main
 from shared import bus, metrics
 from shared.servers import nats_server_binary, start_nats_cluster
-from shared.settings import Settings
+from shared.settings import Settings, get_settings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
@@ -388,3 +388,22 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("spec", "told"),
+    [("8-9", "partitions [8, 9] do not exist"), ("0-7,12", "[12] do not exist"), ("abc", "expected ranges"),
+     ("5-3", "expected ranges"), ("1-", "expected ranges")],
+)
+def test_a_writer_refuses_partitions_that_do_not_exist(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], spec: str, told: str
+) -> None:
+    # A stale writer deployment after the partition count was lowered would otherwise look ready and consume nothing.
+    monkeypatch.setenv("MEMORIES_PARTITIONS", "8")
+    get_settings.cache_clear()
+    try:
+        assert main(["writer", "--partitions", spec]) == 2
+    finally:
+        get_settings.cache_clear()
+    assert told in capsys.readouterr().err
+    assert _parse_partitions("0-3,5", 8) == [0, 1, 2, 3, 5]
