@@ -86,7 +86,14 @@ class ConsumerProcess:
 
     async def run_until_signalled(self) -> None:
         """`memories writer|extractor`: run until SIGINT/SIGTERM, then finish the messages in hand."""
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # Stop what did start (consumers, the lag poller): left running, their tasks would keep the process
+            # from exiting, and a restart policy would never see the failure.
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
         try:
             await wait_for_shutdown_signal()
         finally:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
@@ -26,7 +30,7 @@ from shared.extraction import gate
 from shared.metrics_server import MetricsServer, serve_metrics
 from shared.providers import ResolutionError, resolve_targets
 from shared.scripted_llm import scripted_llm
-from shared.servers import free_port
+from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
 from tests.conftest import open_api
 
@@ -543,3 +547,19 @@ async def test_the_api_reports_the_lag_of_every_consumer_whichever_replicas_run(
         await asyncio.sleep(0)
     assert polled == [metrics.writer_consumers(settings) + metrics.queue_consumers(settings)]
     assert len(metrics.writer_consumers(settings)) == settings.memories_partitions
+
+
+def test_a_writer_whose_metrics_port_is_taken_exits_with_the_error(settings: Settings) -> None:
+    # It failed at the end of its start, and the consumers started before kept the process alive, silent, for ever:
+    # a restart policy never saw the failure.
+    assert settings.database_url and settings.nats_url
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        env = {**os.environ, "DATABASE_URL": settings.database_url, "NATS_URL": settings.nats_url,
+               "MEMORIES_PARTITIONS": str(settings.memories_partitions), "MEMORIES_METRICS_HOST": LOOPBACK,
+               "MEMORIES_METRICS_PORT": str(taken.getsockname()[1]), "MEMORIES_LOG_FORMAT": "text"}
+        writer = [sys.executable, "-m", "services.cli", "writer"]
+        done = subprocess.run(writer, env=env, capture_output=True, timeout=90, check=False)
+    assert done.returncode != 0
+    assert "address already in use" in done.stderr.decode().lower()
