@@ -24,7 +24,8 @@ from shared import bus, metrics
 from shared.servers import nats_server_binary, start_nats_cluster
 from shared.settings import Settings, get_settings
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 MEMORIES_IMAGE_K8S = "memories"  # kustomize's `images:` maps it onto the pushed image
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
@@ -407,3 +408,12 @@ def test_a_writer_refuses_partitions_that_do_not_exist(
         get_settings.cache_clear()
     assert told in capsys.readouterr().err
     assert _parse_partitions("0-3,5", 8) == [0, 1, 2, 3, 5]
+
+
+def test_every_setting_is_in_the_readmes_configuration_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Configuration"):readme.index("## Limits")]
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", table))
+    assert {name.upper() for name in Settings.model_fields} <= documented, sorted(
+        {name.upper() for name in Settings.model_fields} - documented
+    )
