@@ -8,6 +8,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+WRITE_TIMEOUT_MAX_S = 25.0
+"""A caller waits for its write less than `repository.STALE_PENDING`, after which a retry with the same key takes the
+write over: a longer wait would let the retry republish while the first caller still waits."""
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", case_sensitive=False)
@@ -21,7 +25,12 @@ class Settings(BaseSettings):
     memories_host: str = "127.0.0.1"
     memories_port: int = 8000
     memories_admin_token: str | None = Field(default=None, description="bearer token of the admin routes")
-    memories_write_timeout_s: float = Field(default=10.0, gt=0, description="wait for the writer before a 202")
+    memories_write_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=WRITE_TIMEOUT_MAX_S,
+        description="wait for the writer before a 202 (at most 25 s: a claim older than 30 s is taken over by a retry)",
+    )
     memories_api_key_cache_s: float = Field(
         default=10.0,
         ge=0,
