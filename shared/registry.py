@@ -3,6 +3,7 @@ extraction outcomes. Functions take a session and never commit."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, select, update
@@ -171,31 +172,40 @@ async def save_extracted_facts(
     return list(kept.facts or facts), kept.model
 
 
-async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> str | None:
+@dataclass(frozen=True, slots=True)
+class ReportedTurn:
+    status: str
+    """The turn's extraction status now: `pending` (new, a retry, or not done yet), or `completed` / `skipped`
+    when it was extracted already (reported again, it is not extracted twice)."""
+    retry_of: str | None = None
+    """For a retry of a failed extraction, the time of that failure: tells this attempt from the first on the bus."""
+
+
+async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> ReportedTurn:
     """Record a reported turn as pending, unless it is known. A turn whose extraction failed is a retry: it is
-    pending again, and the time of that failure is returned, to tell this attempt from the first on the bus."""
-    failed = await session.scalar(
-        select(GenerationExtraction.updated_at)
-        .where(
-            GenerationExtraction.project_id == project_id,
-            GenerationExtraction.generation_id == generation_id,
-            GenerationExtraction.status == "failed",
-        )
-        .with_for_update()
-    )
-    if failed is not None:
+    pending again."""
+    known = (
         await session.execute(
-            update(GenerationExtraction)
+            select(GenerationExtraction.status, GenerationExtraction.updated_at)
             .where(GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id)
-            .values(status="pending", reason=None, updated_at=func.now())
+            .with_for_update()
         )
-        return failed.isoformat()
+    ).first()
+    if known is None:
+        await session.execute(
+            insert(GenerationExtraction)
+            .values(project_id=project_id, generation_id=generation_id, status="pending")
+            .on_conflict_do_nothing()
+        )
+        return ReportedTurn("pending")
+    if known.status != "failed":
+        return ReportedTurn(known.status)
     await session.execute(
-        insert(GenerationExtraction)
-        .values(project_id=project_id, generation_id=generation_id, status="pending")
-        .on_conflict_do_nothing()
+        update(GenerationExtraction)
+        .where(GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id)
+        .values(status="pending", reason=None, updated_at=func.now())
     )
-    return None
+    return ReportedTurn("pending", retry_of=known.updated_at.isoformat())
 
 
 async def restore_failed_extraction(session: AsyncSession, project_id: str, generation_id: str) -> None:

@@ -91,6 +91,10 @@ async def test_extraction_writes_each_fact_with_provenance(
     prompt = call.messages[0]["content"]
     assert call.temperature == 0 and "JSON array of strings" in prompt
     assert prompt.endswith("assistant: Welcome to Porto! I'll remember the allergy.")
+    # Reported again: told it is extracted already, not that it is pending, and not extracted twice.
+    again = await client.post("/generations/completed", json=turn_body(memory, model, "gen_facts"))
+    assert again.status_code == 200 and again.json() == {"generation_id": "gen_facts", "status": "completed"}
+    assert len(llm.calls_to("extract-facts")) == 1
 
 
 async def test_skipped_turns_say_why(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:

@@ -74,6 +74,7 @@ class ExtractionStatus(BaseModel):
     "/completed",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Publish generation.completed for extraction (the same event a platform on the bus publishes)",
+    responses={200: {"description": "the turn was extracted already (`completed` or `skipped`): not again"}},
     dependencies=[require("memories:CreateMemoryEntry")],
 )
 async def generation_completed(
@@ -84,8 +85,11 @@ async def generation_completed(
     event = GenerationCompleted(
         event_id=new_id("evt_"), project_id=project_id, **body.model_dump(exclude={"project_id"})
     )
-    retry_of = await registry.mark_extraction_pending(session, project_id, event.generation_id)
+    reported = await registry.mark_extraction_pending(session, project_id, event.generation_id)
     await session.commit()
+    if reported.status in ("completed", "skipped"):  # extracted already: not twice, and not pending either
+        return JSONResponse({"generation_id": event.generation_id, "status": reported.status}, status_code=200)
+    retry_of = reported.retry_of
     # One turn is extracted once, however often the platform reports it; reported again after its extraction
     # failed, it is a retry, which the stream's duplicate window must not swallow.
     message_id = f"generation:{project_id}:{event.generation_id}"
