@@ -98,9 +98,26 @@ class KnowledgeConfig(_EitherCase):
     def parse(cls, raw: dict[str, Any] | None) -> KnowledgeConfig:
         return cls.model_validate(raw or {})
 
+    @classmethod
+    def parse_stored(cls, raw: dict[str, Any] | None) -> KnowledgeConfig:
+        """The config as a platform stored it with its agent and sends it on the bus: keys the service does not
+        know (a platform's own retrieval settings) are ignored, not a reason to skip its extraction; the keys it
+        knows are validated all the same."""
+        return StoredKnowledgeConfig.model_validate(raw or {})
+
     @property
     def filters(self) -> KnowledgeFilter:
         return KnowledgeFilter(memory_ids=tuple(self.memory_ids), tag_patterns=tuple(self.memory_tags))
+
+
+class StoredExtractionConfig(ExtractionConfig):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StoredKnowledgeConfig(KnowledgeConfig):
+    model_config = ConfigDict(extra="ignore")
+
+    extraction: bool | StoredExtractionConfig | None = None
 
 
 def refuse_service_variable(name: str) -> str:

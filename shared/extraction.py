@@ -62,7 +62,7 @@ def gate(event: GenerationCompleted) -> Gate:
     if event.status != "completed":
         return Gate(False, f"status_{event.status}")
     try:
-        config = KnowledgeConfig.parse(event.agent.knowledge_config)
+        config = KnowledgeConfig.parse_stored(event.agent.knowledge_config)
     except ValidationError:
         return Gate(False, "invalid_knowledge_config")
     if not config.write_memory_id:

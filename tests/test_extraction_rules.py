@@ -187,6 +187,16 @@ def test_a_malformed_stored_config_skips_the_turn_with_a_reason() -> None:
     assert (decision.run, decision.reason) == (False, "invalid_knowledge_config")
 
 
+def test_keys_of_the_platforms_own_in_a_stored_config_are_ignored_on_the_bus() -> None:
+    stored = {**TARGET, "rerank": True, "extraction": {"enabled": True, "prompt": "Only addresses.", "tone": "dry"}}
+    decision = gate(turn(stored))
+    assert decision.run and decision.config is not None
+    assert isinstance(decision.config.extraction, ExtractionConfig) and decision.config.extraction.prompt == "Only addresses."
+    assert not gate(turn({**stored, "extraction": {"enabled": False, "tone": "dry"}})).run
+    with pytest.raises(ValueError):  # a request's config is still refused for a key the service does not know
+        KnowledgeConfig.parse(stored)
+
+
 def test_a_provider_failure_is_told_without_traceback_link_or_credentials() -> None:
     echoed = RuntimeError(
         "litellm.NotFoundError: OpenAIException - Not found: POST /v1/chat (auth Bearer sk-live-123 key sk-live-123)\n"
