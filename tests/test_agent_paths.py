@@ -577,3 +577,18 @@ async def test_a_tool_call_merges_with_the_projects_registered_provider_or_defau
     unknown = await write("Customer prefers SMS over phone calls, in the evening, on weekdays",
                           {**pinned, "ai_provider_id": "aip_0000000000000000"})
     assert unknown["action"] == "created", unknown
+
+
+async def test_the_registrys_lists_are_paged_like_every_list(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    project_id = memory["project_id"]
+    names = ["first", "second", "third"]
+    providers = [(await client.post("/ai-providers", json={"project_id": project_id, "name": name,
+                                                             "provider": "scripted"})).json() for name in names]
+    await client.post("/model-routes", json={"project_id": project_id, "name": "r",
+                                             "targets": [{"ai_provider_id": providers[0]["id"], "model": "m"}]})
+    page = (await client.get("/ai-providers", params={"project_id": project_id, "limit": 2, "offset": 1})).json()
+    assert [p["name"] for p in page["data"]] == ["second", "third"]
+    assert (page["total"], page["limit"], page["offset"]) == (3, 2, 1)
+    for path in ("/model-routes", "/usage"):
+        listed = (await client.get(path, params={"project_id": project_id})).json()
+        assert set(listed) == {"data", "total", "limit", "offset"} and listed["limit"] == 50

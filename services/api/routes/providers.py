@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, Field
 
 from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
-from services.api.schemas import Name, Strict, Timestamp
+from services.api.pagination import Paging, PagingDep
+from services.api.schemas import Name, Page, Strict, Timestamp
 from shared import registry
 from shared.agents import KeyVariable
 from shared.events import Text
 
 router = APIRouter(tags=["model registry"])
+
+Item = TypeVar("Item")
 
 ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
 
@@ -70,11 +73,19 @@ async def create_provider(body: ProviderCreate, session: SessionDep, admin: Admi
     return ProviderOut.model_validate(provider, from_attributes=True)
 
 
+def _page(items: list[Item], paging: Paging) -> Page[Item]:
+    """A page of a list the registry reads whole (a project's providers, routes, usage groups: a handful)."""
+    chosen = items[paging.offset : paging.offset + paging.limit]
+    return Page(data=chosen, total=len(items), limit=paging.limit, offset=paging.offset)
+
+
 @router.get("/ai-providers", summary="A project's AI providers")
-async def list_providers(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[ProviderOut]]:
+async def list_providers(
+    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+) -> Page[ProviderOut]:
     project = await resolve_project(session, admin, project_id)
     rows = await registry.list_providers(session, project)
-    return {"data": [ProviderOut.model_validate(p, from_attributes=True) for p in rows]}
+    return _page([ProviderOut.model_validate(p, from_attributes=True) for p in rows], paging)
 
 
 @router.delete("/ai-providers/{provider_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a provider")
@@ -106,9 +117,12 @@ async def create_route(body: RouteCreate, session: SessionDep, admin: AdminDep) 
 
 
 @router.get("/model-routes", summary="A project's model routes")
-async def list_routes(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[RouteOut]]:
+async def list_routes(
+    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+) -> Page[RouteOut]:
     project = await resolve_project(session, admin, project_id)
-    return {"data": [RouteOut.model_validate(r, from_attributes=True) for r in await registry.list_routes(session, project)]}
+    rows = await registry.list_routes(session, project)
+    return _page([RouteOut.model_validate(r, from_attributes=True) for r in rows], paging)
 
 
 @router.delete("/model-routes/{route_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a route")
@@ -132,6 +146,8 @@ async def set_default_route(project_id: str, body: DefaultRoute, session: Sessio
 
 
 @router.get("/usage", summary="LLM token usage of a project by provider, model and purpose")
-async def usage(session: SessionDep, admin: AdminDep, project_id: str | None = None) -> dict[str, list[dict]]:
+async def usage(
+    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+) -> Page[dict[str, Any]]:
     project = await resolve_project(session, admin, project_id)
-    return {"data": await registry.usage_summary(session, project)}
+    return _page(await registry.usage_summary(session, project), paging)
