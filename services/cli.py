@@ -174,6 +174,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from services.api.limits import BoundedHeadHttpTools
     from services.api.main import create_app
 
     settings = get_settings()
@@ -181,6 +182,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         create_app(settings),
         host=args.host or settings.memories_host,
         port=args.port or settings.memories_port,
+        http=BoundedHeadHttpTools,
         log_level="info",
         access_log=False,
         log_config=None,  # uvicorn's lines go through our handlers (JSON outside a terminal)

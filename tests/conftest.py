@@ -5,8 +5,10 @@ running in-process against them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -25,7 +27,7 @@ from services.extractor.main import ExtractorService
 from services.writer.main import Writer
 from shared.db.migrate import upgrade
 from shared.db.session import create_engine, session_factory
-from shared.servers import EmbeddedNats, EmbeddedPostgres
+from shared.servers import LOOPBACK, EmbeddedNats, EmbeddedPostgres
 from shared.settings import Settings
 
 ADMIN_TOKEN = "test-admin-token"
@@ -166,3 +168,16 @@ async def memory(client: httpx.AsyncClient, project: dict[str, Any]) -> dict[str
     )
     assert response.status_code == 201, response.text
     return response.json()
+
+
+def raw_exchange(port: int, *requests: bytes) -> bytes:
+    """Send raw HTTP/1.1 on one connection; everything the server answered until it closed or went quiet."""
+    with socket.create_connection((LOOPBACK, port), timeout=5) as connection:
+        for request in requests:
+            connection.sendall(request)
+        answered = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            connection.settimeout(1.0)
+            while chunk := connection.recv(65536):
+                answered += chunk
+    return answered

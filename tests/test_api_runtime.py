@@ -7,7 +7,8 @@ import inspect
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+import uvicorn
+from fastapi import FastAPI, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from psycopg.pq import TransactionStatus
@@ -16,10 +17,12 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api import errors
+from services.api.limits import MAX_HEAD_BYTES, BoundedHeadHttpTools
 from services.api.main import create_app
 from shared import repository as repo
+from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
-from tests.conftest import open_api
+from tests.conftest import open_api, raw_exchange
 
 
 def _dependencies(dependant: Dependant) -> list[Dependant]:
@@ -98,3 +101,29 @@ async def test_no_free_database_connection_is_a_503() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as api:
         response = await api.get("/busy")
     assert response.status_code == 503 and response.json()["error"]["code"] == "SERVICE_UNAVAILABLE"
+
+
+async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buffered() -> None:
+    app = FastAPI()
+
+    @app.post("/size")
+    async def size(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=BoundedHeadHttpTools, log_config=None))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        huge = b"GET /size HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES * 4) + b"\r\n\r\n"
+        refused = await asyncio.to_thread(raw_exchange, port, huge)
+        assert refused.startswith(b"HTTP/1.1 431 ") and b'"PAYLOAD_TOO_LARGE"' in refused
+        # A body is not a head: 200 KiB sent at once, twice on one kept-alive connection, are both read.
+        body = b"b" * (200 * 1024)
+        post = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        answered = await asyncio.to_thread(raw_exchange, port, post, post)
+        assert answered.count(b"HTTP/1.1 200 OK") == 2 and answered.count(b'{"bytes":204800}') == 2
+    finally:
+        server.should_exit = True
+        await serving

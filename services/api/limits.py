@@ -1,9 +1,14 @@
-"""Refuse oversized request bodies before they are read into memory."""
+"""Refuse oversized requests before they are read into memory: bodies (an ASGI middleware) and heads (the HTTP
+protocol, where the headers are parsed)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.api.errors import envelope
 
@@ -39,3 +44,41 @@ class BodySizeLimit:
     @property
     def _message(self) -> str:
         return f"request body exceeds {self.max_bytes} bytes"
+
+
+MAX_HEAD_BYTES = 64 * 1024
+"""A request's line and headers together. The HTTP parser buffers a header until it ends, whatever its size."""
+
+
+class BoundedHeadHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol, refusing a request whose head (request line and headers) outgrows
+    MAX_HEAD_BYTES with a 431, before the parser has buffered more than that and one network read: with no
+    limit, one unauthenticated request could hold any amount of memory in a header."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes: int | None = 0  # None once the head of the current request is complete
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_bytes is None or self.transport.is_closing():
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            body = json.dumps({"error": {"code": "PAYLOAD_TOO_LARGE", "message": _HEAD_TOO_LARGE}}).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            self.transport.close()
+
+
+_HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
