@@ -11,8 +11,10 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from nats.aio.msg import Msg
 from pydantic import ValidationError
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, metrics
@@ -422,3 +424,29 @@ def test_a_caller_waits_for_its_write_less_than_a_retry_waits_to_take_it_over() 
     with pytest.raises(ValidationError):
         Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S + 1)
     assert Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S).memories_write_timeout_s == WRITE_TIMEOUT_MAX_S
+
+
+async def test_an_outage_is_waited_out_in_place_and_no_write_is_handed_back(
+    client: httpx.AsyncClient, memory: dict[str, Any], writers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Handed back, each write would come back after a backoff grown with its own deliveries: out of order.
+    down = iter(range(3))
+    decide_batch = WriteApplier._decide_batch
+
+    async def restarting_database(self: WriteApplier, session: Any, batch: Any) -> Any:
+        if next(down, None) is not None:
+            raise OperationalError("SELECT 1", {}, ConnectionError("the database system is starting up"))
+        return await decide_batch(self, session, batch)
+
+    handed_back: list[str] = []
+    nak = Msg.nak
+
+    async def counted_nak(message: Msg, *args: Any, **kwargs: Any) -> None:
+        handed_back.append(message.subject)
+        await nak(message, *args, **kwargs)
+
+    monkeypatch.setattr(WriteApplier, "_decide_batch", restarting_database)
+    monkeypatch.setattr(Msg, "nak", counted_nak)
+    written = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Written after the outage"})
+    assert written.status_code == 201, written.text
+    assert next(down, None) is None and handed_back == []

@@ -1,7 +1,7 @@
 """A partition's write messages in, one decision each: decode, apply through shared.writes, ack, announce.
 
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
-an outage of the database or the bus is retried with backoff for as long as it lasts; any other failure
+an outage of the database or the bus is waited out in place, in order, for as long as it lasts; any other failure
 is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
 """
 
@@ -48,6 +48,8 @@ class WriteHandler:
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
         self._backoff = settings.memories_retry_backoff_s
+        self.stopping = False
+        """Set when the writer stops: an outage is no longer waited out in place, its writes are handed back."""
 
     async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
         """A partition's fetched messages made ready for their decisions, outside any lock: decoded (a
@@ -68,7 +70,7 @@ class WriteHandler:
         """Decide a prepared batch in its order, then acknowledge, answer and announce each write."""
         if not batch.events:
             return
-        results = [batch.failure] * len(batch.events) if batch.failure is not None else await self._decide(batch)
+        results = await self._decide_through_outages(batch)
         announcements = []
         for (message, event), result in zip(batch.events, results, strict=True):
             # Every line logged while this write is handled, here or in shared code, names it (a task
@@ -82,6 +84,22 @@ class WriteHandler:
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
+
+    async def _decide_through_outages(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
+        """The batch's results. An outage (the database or the bus unreachable) is waited out in place, the
+        messages kept in progress, instead of handing them back: redelivered, each after a backoff that grows
+        with its own deliveries, a memory's writes would come back out of order (a later fact decided first)."""
+        pause = self._backoff
+        while True:
+            if batch.failure is not None:  # preparing failed: prepare again
+                batch = await self.prepare([message for message, _ in batch.events])
+            results = [batch.failure] * len(batch.events) if batch.failure is not None else await self._decide(batch)
+            outage = next((r for r in results if isinstance(r, Exception) and bus.is_outage(r)), None)
+            if outage is None or self.stopping:
+                return results
+            log.warning("outage: the batch waits in place, in order (%s)", str(outage) or type(outage).__name__)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 30.0)
 
     async def _decide(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
         try:

@@ -91,6 +91,8 @@ class Writer(ConsumerProcess):
         log.info("writer consuming partitions %s", _ranges(self.partitions))
 
     async def stop(self) -> None:
+        if self._handler is not None:
+            self._handler.stopping = True
         await asyncio.gather(*(consumer.stop(timeout=10.0) for consumer in self._partition_consumers))
         await super().stop()
 
