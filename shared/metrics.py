@@ -111,6 +111,9 @@ LLM_TOKENS = _counter(
 EXTRACTIONS = _counter("memories_extractions", "Generation turns handled by the extractor", "outcome")
 EXTRACTION_SKIPS = _counter("memories_extraction_skips", "Extraction candidates or turns skipped", "reason")
 DEAD_LETTERS = _counter("memories_dead_letters", "Messages this process sent to DEAD_LETTERS", "origin")
+HTTP_RESPONSES = _counter(
+    "memories_http_responses", "API responses by route template and status (202s, 4xx, 503s)", "method", "route", "status"
+)
 CONSUMER_PENDING = _gauge(
     "memories_consumer_pending",
     "Messages not yet delivered to the durable consumer (its lag)",
@@ -163,6 +166,12 @@ def observe_write_decision(action: str, source_type: str, requested_at: datetime
 
 def observe_write_failure(code: str) -> None:
     WRITE_FAILURES.labels(code).inc()
+
+
+def observe_http_response(method: str, route: str, status: int) -> None:
+    """`route` is the matched template as its router declares it (`/memory-entries/{entry_id}`, without the
+    `/api/v1` prefix), never the path: a label per id would be a series per id."""
+    HTTP_RESPONSES.labels(method, route, str(status)).inc()
 
 
 def observe_dead_letter(origin: str) -> None:

@@ -53,6 +53,7 @@ EXPOSED_METRICS = [
     "memories_consumer_redeliveries",
     "memories_stream_messages",
     "memories_lag_poll_errors_total",
+    "memories_http_responses_total",
 ]
 
 
@@ -563,3 +564,21 @@ def test_a_writer_whose_metrics_port_is_taken_exits_with_the_error(settings: Set
         done = subprocess.run(writer, env=env, capture_output=True, timeout=90, check=False)
     assert done.returncode != 0
     assert "address already in use" in done.stderr.decode().lower()
+
+
+async def test_api_responses_are_counted_by_route_template_and_status(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    entry_route, memory_route = "/memory-entries", "/memories/{memory_id}"  # as their routers declare them
+    before = {
+        "created": count("memories_http_responses_total", method="POST", route=entry_route, status="201"),
+        "missing": count("memories_http_responses_total", method="GET", route=memory_route, status="404"),
+        "unmatched": count("memories_http_responses_total", method="GET", route="unmatched", status="404"),
+    }
+    await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Counted by its route"})
+    await client.get("/memories/mem_0000000000000000")
+    await client.get("/memories/mem_1111111111111111")
+    await client.get("/no/such/route")
+    assert count("memories_http_responses_total", method="POST", route=entry_route, status="201") == before["created"] + 1
+    assert count("memories_http_responses_total", method="GET", route=memory_route, status="404") == before["missing"] + 2
+    assert count("memories_http_responses_total", method="GET", route="unmatched", status="404") == before["unmatched"] + 1
