@@ -44,7 +44,9 @@ def _count(text: str) -> int:
     return value
 
 
-def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
+def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
+    """Run `work` on the bus of the settings (or of the local run): None (told) when no bus is configured; exits 1
+    when it cannot be reached."""
     settings = get_settings()
     nats_url = nats_url_for(settings.nats_url, settings.data_dir)
     if not nats_url:
@@ -52,7 +54,7 @@ def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | Non
         return None
 
     async def run() -> T:
-        nc = await bus.connect(nats_url, name="memories-dlq", one_shot=True)
+        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True)
         try:
             return await work(nc.jetstream())
         finally:
@@ -66,7 +68,7 @@ def _with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | Non
 
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:
-    letters = _with_jetstream(
+    letters = with_jetstream(
         lambda js: dead_letters.list_dead_letters(js, origin=args.origin, limit=args.limit or None)
     )
     if letters is None:
@@ -94,7 +96,7 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
     if args.origin and not args.all:
         print("--origin goes with --all", file=sys.stderr)
         return 2
-    results = _with_jetstream(
+    results = with_jetstream(
         lambda js: dead_letters.replay_all(js, origin=args.origin)
         if args.all
         else dead_letters.replay(js, list(args.sequences))

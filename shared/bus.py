@@ -200,6 +200,52 @@ async def _apply_layout(js: JetStreamContext, settings: Settings) -> None:
             await _ensure_consumer(js, stream_name, consumer)
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerState:
+    stream: str
+    consumer: str
+    pending: int  # not yet delivered
+    in_flight: int  # delivered, not acknowledged
+    redelivered: int
+    in_layout: bool  # False: left by an earlier layout (a partition count since lowered)
+
+
+async def consumer_states(js: JetStreamContext, settings: Settings) -> list[ConsumerState]:
+    """Every durable consumer of the layout's streams, as JetStream reports it now (`memories bus status`)."""
+    plan = layout(settings)
+    planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
+    states = []
+    for stream in plan.streams:
+        name = stream.name or ""
+        try:
+            infos = await js.consumers_info(name)
+        except NotFoundError:  # the layout is not applied yet
+            continue
+        for info in sorted(infos, key=lambda i: i.name):
+            states.append(
+                ConsumerState(
+                    name, info.name, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
+                    (name, info.name) in planned,
+                )
+            )
+    return states
+
+
+async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[list[str], list[str]]:
+    """Delete the consumers the layout no longer has (`writer-p<N>`… after lowering the partition count), unless
+    a message still waits on one (it would be lost with it): (deleted, kept because busy)."""
+    deleted, busy = [], []
+    for state in await consumer_states(js, settings):
+        if state.in_layout:
+            continue
+        if state.pending or state.in_flight:
+            busy.append(state.consumer)
+        else:
+            await js.delete_consumer(state.stream, state.consumer)
+            deleted.append(state.consumer)
+    return deleted, busy
+
+
 async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
     try:
         await js.add_consumer(stream, config=config)

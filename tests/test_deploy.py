@@ -347,11 +347,15 @@ def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def run_bus_init(nats_url: str, **overrides: str) -> subprocess.CompletedProcess[str]:
+    return run_bus("init", nats_url, **overrides)
+
+
+def run_bus(command: str, nats_url: str, **overrides: str) -> subprocess.CompletedProcess[str]:
     environment = {name: str(value) for name, value in compose()["x-memories-env"].items()}
     environment.update(NATS_URL=nats_url, **overrides)
     env = {key: value for key, value in os.environ.items() if key.upper() not in SETTING_NAMES} | environment
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "bus", "init"],
+        [sys.executable, "-m", "services.cli", "bus", command],
         check=False,
         env=env,
         capture_output=True,
@@ -385,8 +389,25 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         assert run_bus_init(nats_cluster).returncode == 0
         # Lowering the partition count does NOT delete the consumers of the dropped partitions (see
         # docs/operations.md): if ensure_layout starts deleting them, that document must change too.
-        assert run_bus_init(nats_cluster, MEMORIES_PARTITIONS=str(partitions // 2)).returncode == 0
+        half = str(partitions // 2)
+        assert run_bus_init(nats_cluster, MEMORIES_PARTITIONS=half).returncode == 0
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
+        # `bus status` shows them as left over; `bus prune` deletes the idle ones and keeps one a write waits on.
+        status = run_bus("status", nats_cluster, MEMORIES_PARTITIONS=half)
+        stale = [line.split()[1] for line in status.stdout.splitlines() if "not in the layout" in line]
+        assert status.returncode == 0 and stale == sorted(bus.writer_durable(p) for p in range(partitions // 2, partitions))
+        waiting = bus.writer_durable(partitions - 1)
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
+        pruned = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half)
+        assert pruned.returncode == 1 and waiting in pruned.stderr
+        left = {c.name for c in await js.consumers_info(bus.WRITES_STREAM)}
+        assert left == {bus.writer_durable(p) for p in range(partitions // 2)} | {waiting}
+        drained = await js.pull_subscribe_bind(durable=waiting, stream=bus.WRITES_STREAM)
+        [message] = await drained.fetch(batch=1, timeout=5)
+        await message.ack_sync()
+        await drained.unsubscribe()
+        assert run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half).returncode == 0
+        assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions // 2
     finally:
         await nc.close()
 
