@@ -413,3 +413,18 @@ def test_a_provider_stored_before_the_rule_cannot_send_a_setting_either() -> Non
     with pytest.raises(LlmError, match="names a setting of the service"):
         provider_key("MEMORIES_ADMIN_TOKEN")
     assert provider_key(None) is None
+
+
+@pytest.mark.parametrize(
+    "api_base", ["https://user:secret@llm.example/v1", "https://llm.example/v1?api_key=sk-live", "https://llm.example/v1?KEY=x"]
+)
+async def test_a_provider_address_may_not_carry_a_key(
+    client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], api_base: str
+) -> None:
+    # Shown to whoever reads the registry; the key's place is the variable api_key_env names.
+    provider = {"project_id": tenants[0].target.project_id, "name": "with a key", "provider": "openai"}
+    refused = await client.post("/ai-providers", json={**provider, "api_base": api_base})
+    assert refused.status_code == 400 and [p["field"] for p in refused.json()["error"]["meta"]["invalid_fields"]] == ["api_base"]
+    assert "secret" not in refused.text and "sk-live" not in refused.text
+    kept = await client.post("/ai-providers", json={**provider, "api_base": "https://llm.example/v1?api-version=2024-06-01"})
+    assert kept.status_code == 201
