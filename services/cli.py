@@ -234,7 +234,7 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
     async def apply() -> None:
         nc = await bus.connect(nats_url, name="memories-bus-init", one_shot=True)
         try:
-            await bus.ensure_layout(nc.jetstream(), settings)
+            await bus.ensure_layout(nc.jetstream(), settings, sets_partitions=True)
         finally:
             await nc.close()
 

@@ -104,6 +104,7 @@ def layout(settings: Settings) -> Layout:
         storage=StorageType.FILE,
         num_replicas=replicas,
         duplicate_window=window,
+        metadata={PARTITIONS_METADATA: str(settings.memories_partitions)},
     )
     events = StreamConfig(
         name=EVENTS_STREAM,
@@ -173,12 +174,24 @@ def layout(settings: Settings) -> Layout:
     )
 
 
-async def ensure_layout(js: JetStreamContext, settings: Settings, attempts: int = 5) -> None:
+PARTITIONS_METADATA = "memories_partitions"
+"""MEMORY_WRITES records the partition count it was laid out for (`memories bus init` sets it)."""
+
+
+class PartitionCountMismatch(RuntimeError):
+    """A service configured for another partition count than the bus: its writes would land on partitions no
+    writer consumes, or a memory's writes on two partitions (out of order)."""
+
+
+async def ensure_layout(
+    js: JetStreamContext, settings: Settings, attempts: int = 5, *, sets_partitions: bool = False
+) -> None:
     """Apply the layout; retried, because services starting together on a cluster race to apply it and a
-    stream's leader may still be in election."""
+    stream's leader may still be in election. Only `memories bus init` (`sets_partitions`) changes the partition
+    count the bus was laid out for; a service configured for another one raises PartitionCountMismatch."""
     for attempt in range(1, attempts + 1):
         try:
-            await _apply_layout(js, settings)
+            await _apply_layout(js, settings, sets_partitions=sets_partitions)
             return
         except (TimeoutError, nats.errors.Error) as exc:
             if attempt == attempts:
@@ -187,14 +200,24 @@ async def ensure_layout(js: JetStreamContext, settings: Settings, attempts: int 
             await asyncio.sleep(0.5 * attempt)
 
 
-async def _apply_layout(js: JetStreamContext, settings: Settings) -> None:
+async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
     plan = layout(settings)
     for stream in plan.streams:
         try:
-            await js.stream_info(stream.name or "")
-            await js.update_stream(stream)
+            info = await js.stream_info(stream.name or "")
         except NotFoundError:
             await js.add_stream(stream)
+            continue
+        recorded = (info.config.metadata or {}).get(PARTITIONS_METADATA)
+        if stream.name == WRITES_STREAM and recorded not in (None, str(settings.memories_partitions)):
+            if not sets_partitions:
+                raise PartitionCountMismatch(
+                    f"MEMORIES_PARTITIONS is {settings.memories_partitions} here, but the bus is laid out for "
+                    f"{recorded} partitions: configure every service alike, or change the count as docs/operations.md "
+                    "says (`memories bus init` applies it)"
+                )
+            log.warning("partition count changed from %s to %s", recorded, settings.memories_partitions)
+        await js.update_stream(stream)
     for stream_name, consumers in plan.consumers.items():
         for consumer in consumers:
             await _ensure_consumer(js, stream_name, consumer)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import nats.errors
 import pytest
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared import bus
+from shared.servers import EmbeddedNats
 from shared.settings import Settings
 
 
@@ -47,3 +49,21 @@ def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
 def test_retry_delay_doubles_and_is_capped() -> None:
     assert [bus.retry_delay(0.5, n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
     assert bus.retry_delay(1.0, 50) == 30.0
+
+
+async def test_a_service_configured_for_another_partition_count_than_the_bus_refuses_to_start(tmp_path: Path) -> None:
+    # Its writes would land on partitions no writer consumes, or a memory's writes on two partitions.
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus.connect(server.url, name="test-partitions")
+        try:
+            js = nc.jetstream()
+            await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
+            await bus.ensure_layout(js, Settings(memories_partitions=8))
+            with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
+                await bus.ensure_layout(js, Settings(memories_partitions=4))
+            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)  # `memories bus init`
+            await bus.ensure_layout(js, Settings(memories_partitions=4))
+            info = await js.stream_info(bus.WRITES_STREAM)
+            assert (info.config.metadata or {})[bus.PARTITIONS_METADATA] == "4"
+        finally:
+            await nc.close()
