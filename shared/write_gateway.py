@@ -158,7 +158,8 @@ class WriteGateway:
             try:
                 await self._js.publish(
                     bus.write_subject(event.memory_id, self._partitions),
-                    event.model_dump_json().encode(),
+                    # Unset optional fields stay off the wire: an added one is then invisible to older readers.
+                    event.model_dump_json(exclude_none=True).encode(),
                     stream=bus.WRITES_STREAM,
                     timeout=PUBLISH_TIMEOUT_S,
                     # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.

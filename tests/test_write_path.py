@@ -450,3 +450,19 @@ async def test_an_outage_is_waited_out_in_place_and_no_write_is_handed_back(
     written = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Written after the outage"})
     assert written.status_code == 201, written.text
     assert next(down, None) is None and handed_back == []
+
+
+async def test_a_write_event_leaves_unset_optional_fields_off_the_wire(
+    settings: Settings, client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # A field added to the event then reaches a writer of the previous version only when it is used: rolling
+    # upgrades do not dead-letter every write while the API is ahead of the writers.
+    nc = await nats.connect(settings.nats_url)
+    try:
+        seen = await nc.subscribe(f"{bus.WRITE_SUBJECT_ROOT}.>")
+        await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "On the wire as little as needed"})
+        payload = json.loads((await seen.next_msg(timeout=5)).data)
+    finally:
+        await nc.close()
+    assert payload["content"] == "On the wire as little as needed"
+    assert None not in payload.values() and "sources_seen_at" not in payload
