@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -460,9 +461,15 @@ async def _forget_forgotten(session: AsyncSession, batch: Sequence[PreparedWrite
     kept = []
     for one, refs in zip(batch, references, strict=True):
         seen_at = one.event.sources_seen_at or one.event.occurred_at
-        cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten and seen_at <= forgotten[ref]}
+        cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten and _forgotten_for(ref, seen_at, forgotten[ref])}
         kept.append(replace(one, event=one.event.model_copy(update=cleared)) if cleared else one)
     return kept
+
+
+def _forgotten_for(reference: repo.ProvenanceRef, seen_at: datetime, forgotten_at: datetime) -> bool:
+    """A generation is one turn: forgotten, it stays forgotten. A conversation goes on after "clear history" under
+    the same id: what cites it after the forgetting keeps it."""
+    return reference[1] == "generation" or seen_at <= forgotten_at
 
 
 def _references(event: MemoryWriteRequested) -> list[repo.ProvenanceRef]:

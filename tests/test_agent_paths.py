@@ -480,6 +480,20 @@ async def test_a_conversation_cited_again_after_it_was_forgotten_keeps_its_new_r
     assert await cited(citing("The shop sells bicycles")) == "conv_reused"
 
 
+async def test_a_forgotten_generation_stays_forgotten_even_for_a_later_write(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A generation is one turn, never reused: a tool call of that turn arriving after its deletion cites nothing.
+    project = memory["project_id"]
+    await client.delete("/generations/gen_deleted/provenance", params={"project_id": project})
+    late_tool_call = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=project, memory_id=memory["id"], content="Tea is served at four",
+        source_type="agent", source_generation_id="gen_deleted",
+    )
+    applied = await WriteApplier(sessions, _local_embed, LOCAL_MODEL).apply(late_tool_call)
+    assert (await get_entry(client, applied.outcome.entry_id or ""))["source_generation_id"] is None
+
+
 async def _local_embed(texts: Any) -> list[list[float]]:
     return await embed_texts(list(texts), model=LOCAL_MODEL)
 
