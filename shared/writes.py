@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import registry
+from shared import bus, registry
 from shared import repository as repo
 from shared.batching import Coalescer
 from shared.db.models import MemoryEntry, WriteOutcome
@@ -180,7 +180,8 @@ class WriteApplier:
 
         Each gets its result, or the exception that stopped it (the caller retries that one). When a write
         spoils the shared transaction, each is applied alone, so only that write fails and the others are
-        not held back by it.
+        not held back by it; an outage met on the way stops the others too (they get its exception), so that
+        what is decided is always a prefix, in order.
         """
         ready = [one for one in prepared if one.failed is None]
         decided: list[AppliedWrite | Exception] = []
@@ -191,7 +192,14 @@ class WriteApplier:
                     await self._store(session, together)
                 decided = [one.applied for one in together]
             except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
-                decided = [await self._apply_isolated(one) for one in ready]
+                decided = []
+                outage: Exception | None = None
+                for one in ready:
+                    # Past an outage, none is tried: a later write must not be decided before an earlier one.
+                    result = outage or await self._apply_isolated(one)
+                    if outage is None and isinstance(result, Exception) and bus.is_outage(result):
+                        outage = result
+                    decided.append(result)
         results = iter(decided)
         # One result per prepared write, in its place: the failure it came with, or its decision.
         return [one.failed if one.failed is not None else next(results) for one in prepared]

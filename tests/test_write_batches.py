@@ -16,9 +16,10 @@ import nats
 import numpy as np
 import pytest
 from sqlalchemy import event, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from services.writer.handler import WriteHandler
+from services.writer.handler import PreparedBatch, WriteHandler
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.embeddings import LOCAL_MODEL, embed_texts
@@ -373,3 +374,63 @@ async def test_which_writes_may_wait_on_a_model(
 
 async def _local_embed(texts: Sequence[str]) -> list[list[float]]:
     return await embed_texts(list(texts), model=LOCAL_MODEL)
+
+
+async def test_an_outage_met_by_one_write_stops_the_later_ones_and_what_was_decided_stands(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memory = await new_memory(client, project, "outage")
+    writes = [write(memory, "First fact said"), write(memory, "Second fact said later")]
+    outcomes = iter(["down", "down", "up", "down", "up"])  # shared, first alone, second alone, ... then back
+    decide_batch = WriteApplier._decide_batch
+
+    async def flaky(self: WriteApplier, session: Any, batch: Any) -> Any:
+        if next(outcomes, "up") == "down":
+            raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+        return await decide_batch(self, session, batch)
+
+    monkeypatch.setattr(WriteApplier, "_decide_batch", flaky)
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    # The first write meets the outage alone: the second is not tried, so it cannot be decided before the first.
+    results = await applier.decide(await applier.prepare(writes))
+    assert all(isinstance(r, OperationalError) for r in results) and await valid_contents(sessions, memory["id"]) == []
+
+    outcomes = iter(["down", "up", "down"])  # shared fails; the first alone commits; the second alone meets it
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(applier, nc, settings)
+        prepared = await applier.prepare(writes)
+        results = await handler._decide_through_outages(PreparedBatch([(None, w) for w in writes], prepared))  # type: ignore[misc]
+    finally:
+        await nc.close()
+    # Each decided once, in order: the first is not decided again (it would come back replayed, unannounced).
+    assert actions(results) == ["created", "created"]
+    assert not any(r.replayed for r in results if isinstance(r, AppliedWrite))
+    assert await valid_contents(sessions, memory["id"]) == ["First fact said", "Second fact said later"]
+
+
+async def test_stopping_the_writer_ends_the_wait_for_an_outage_at_once(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The batch is then handed back (redelivered), within the stop's budget, not after the pause it was in.
+    async def down(self: WriteApplier, session: Any, batch: Any) -> Any:
+        raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+
+    monkeypatch.setattr(WriteApplier, "_decide_batch", down)
+    memory = await new_memory(client, project, "stopping")
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(applier, nc, settings.model_copy(update={"memories_retry_backoff_s": 60.0}))
+        writes = [write(memory, "Waiting for the database")]
+        waiting = asyncio.create_task(
+            handler._decide_through_outages(PreparedBatch([(None, w) for w in writes], await applier.prepare(writes)))  # type: ignore[misc]
+        )
+        await asyncio.sleep(0.2)  # in its first pause, of 60 s
+        handler.stop()
+        results = await asyncio.wait_for(waiting, 10)
+    finally:
+        await nc.close()
+    assert isinstance(results[0], OperationalError)

@@ -8,6 +8,7 @@ is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -48,8 +49,7 @@ class WriteHandler:
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
         self._backoff = settings.memories_retry_backoff_s
-        self.stopping = False
-        """Set when the writer stops: an outage is no longer waited out in place, its writes are handed back."""
+        self._stop = asyncio.Event()
 
     async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
         """A partition's fetched messages made ready for their decisions, outside any lock: decoded (a
@@ -88,18 +88,30 @@ class WriteHandler:
     async def _decide_through_outages(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
         """The batch's results. An outage (the database or the bus unreachable) is waited out in place, the
         messages kept in progress, instead of handing them back: redelivered, each after a backoff that grows
-        with its own deliveries, a memory's writes would come back out of order (a later fact decided first)."""
+        with its own deliveries, a memory's writes would come back out of order (a later fact decided first).
+        What was decided before the outage stands; the writes it stopped are decided again, in order."""
         pause = self._backoff
-        while True:
-            if batch.failure is not None:  # preparing failed: prepare again
-                batch = await self.prepare([message for message, _ in batch.events])
-            results = [batch.failure] * len(batch.events) if batch.failure is not None else await self._decide(batch)
-            outage = next((r for r in results if isinstance(r, Exception) and bus.is_outage(r)), None)
-            if outage is None or self.stopping:
-                return results
-            log.warning("outage: the batch waits in place, in order (%s)", str(outage) or type(outage).__name__)
-            await asyncio.sleep(pause)
+        results = [batch.failure] * len(batch.events) if batch.failure is not None else list(await self._decide(batch))
+        while not self._stop.is_set():
+            stopped = [i for i, result in enumerate(results) if isinstance(result, Exception) and bus.is_outage(result)]
+            if not stopped:
+                break
+            log.warning("outage: the batch waits in place, in order (%s)", str(results[stopped[0]]) or "unreachable")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), pause)
             pause = min(pause * 2, 30.0)
+            if batch.failure is not None:  # nothing was prepared, so nothing decided: prepare it all again
+                batch = await self.prepare([message for message, _ in batch.events])
+                results = [batch.failure] * len(batch.events) if batch.failure is not None else list(await self._decide(batch))
+                continue
+            again = PreparedBatch([batch.events[i] for i in stopped], [batch.prepared[i] for i in stopped])
+            for i, result in zip(stopped, await self._decide(again), strict=True):
+                results[i] = result
+        return results
+
+    def stop(self) -> None:
+        """The writer stops: an outage is no longer waited out, its writes are handed back (redelivered)."""
+        self._stop.set()
 
     async def _decide(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
         try:

@@ -92,7 +92,7 @@ class Writer(ConsumerProcess):
 
     async def stop(self) -> None:
         if self._handler is not None:
-            self._handler.stopping = True
+            self._handler.stop()
         await asyncio.gather(*(consumer.stop(timeout=10.0) for consumer in self._partition_consumers))
         await super().stop()
 

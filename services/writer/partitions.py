@@ -59,17 +59,18 @@ class PartitionConsumer(Generic[Prepared]):
     async def stop(self, timeout: float) -> None:
         """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered.
 
-        A fetch under way is let finish (at most FETCH_WAIT_S) rather than cancelled: cancelled, its pull
+        A fetch under way is let finish (at most FETCH_WAIT_S, within `timeout`) rather than cancelled: cancelled, its pull
         request stays open on the server, and what it then delivers would sit unhandled until the ack wait
         expired (and the connection's drain would wait on it as long). What it brings is handed back at once."""
         self._stopping = True
+        deadline = asyncio.get_running_loop().time() + timeout  # one budget for the fetch and the batches in hand
         if self._loop is not None:
-            if not (await asyncio.wait({self._loop}, timeout=FETCH_WAIT_S + timeout))[0]:
+            if not (await asyncio.wait({self._loop}, timeout=timeout))[0]:
                 self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
         if self._in_hand:
-            await asyncio.wait(self._in_hand, timeout=timeout)
+            await asyncio.wait(self._in_hand, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
 
     async def _consume(self) -> None:
         try:
