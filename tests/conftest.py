@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -170,11 +171,13 @@ async def memory(client: httpx.AsyncClient, project: dict[str, Any]) -> dict[str
     return response.json()
 
 
-def raw_exchange(port: int, *requests: bytes) -> bytes:
-    """Send raw HTTP/1.1 on one connection; everything the server answered until it closed or went quiet."""
+def raw_exchange(port: int, *requests: bytes, pause: float = 0.0) -> bytes:
+    """Send raw HTTP/1.1 on one connection (`pause` seconds between the parts, so that each arrives as one
+    read); everything the server answered until it closed or went quiet."""
     with socket.create_connection((LOOPBACK, port), timeout=5) as connection:
         for request in requests:
             connection.sendall(request)
+            time.sleep(pause)
         answered = b""
         with contextlib.suppress(TimeoutError, ConnectionResetError):
             connection.settimeout(1.0)

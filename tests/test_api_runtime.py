@@ -124,6 +124,12 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
         post = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
         answered = await asyncio.to_thread(raw_exchange, port, post, post)
         assert answered.count(b"HTTP/1.1 200 OK") == 2 and answered.count(b'{"bytes":204800}') == 2
+        # Pipelined: a body and the start of the next request in one read; the body is not the next one's head.
+        small = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+        big_body = b"b" * (100 * 1024)
+        big_head = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big_body)
+        answered = await asyncio.to_thread(raw_exchange, port, big_head, big_body + small[:20], small[20:], pause=0.2)
+        assert answered.count(b"HTTP/1.1 200 OK") == 2, answered[:300]
     finally:
         server.should_exit = True
         await serving

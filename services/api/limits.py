@@ -52,24 +52,29 @@ MAX_HEAD_BYTES = 64 * 1024
 
 class BoundedHeadHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing a request whose head (request line and headers) outgrows
-    MAX_HEAD_BYTES with a 431, before the parser has buffered more than that and one network read: with no
+    MAX_HEAD_BYTES with a 431, before the parser has buffered more than that and two network reads: with no
     limit, one unauthenticated request could hold any amount of memory in a header."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None once the head of the current request is complete
+        self._head_began_in_this_read = False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
+        self._head_began_in_this_read = True
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
+        self._head_began_in_this_read = False
         super().data_received(data)
-        if self._head_bytes is None or self.transport.is_closing():
+        # The read in which a head begins may also hold the end of the request before it (pipelining): it is not
+        # counted, so the bound is MAX_HEAD_BYTES plus one read.
+        if self._head_bytes is None or self._head_began_in_this_read or self.transport.is_closing():
             return
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
