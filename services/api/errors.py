@@ -134,7 +134,7 @@ def install(app: FastAPI) -> None:
     async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
         if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
             log.warning("gave up waiting for a lock: %s", exc.orig)
-            return envelope(503, "the resource is busy with a write being decided; retry")
+            return envelope(503, "what this request changes is busy with work in progress (a write being decided); retry")
         log.warning("database unavailable: %s", exc)
         return envelope(503, "the database is unavailable; retry later")
 

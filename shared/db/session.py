@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -24,28 +25,30 @@ def create_engine(
     and a new PostgreSQL backend costs more than the queries it runs. `pre_ping` costs a round trip per
     checkout; a consumer whose failed message is redelivered anyway can do without it. `lock_timeout_s`:
     how long a statement may wait for a lock before it fails (SQLSTATE 55P03); unset, for as long as it takes."""
-    # A dead server must surface as an error quickly (503), not hang a request.
-    connect_args: dict[str, Any] = {"connect_timeout": 5}
-    if lock_timeout_s is not None:
-        connect_args["options"] = f"-c lock_timeout={max(1, round(lock_timeout_s * 1000))}"
     engine = create_async_engine(
         database_url,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_pre_ping=pre_ping,
-        connect_args=connect_args,
+        # A dead server must surface as an error quickly (503), not hang a request.
+        connect_args={"connect_timeout": 5},
     )
-    event.listen(engine.sync_engine, "connect", _configure_connection)
+    settings = ["SET hnsw.iterative_scan = strict_order"]
+    if lock_timeout_s is not None:
+        settings.append(f"SET lock_timeout = {max(1, round(lock_timeout_s * 1000))}")
+    event.listen(engine.sync_engine, "connect", partial(_configure_connection, settings=settings))
     return engine
 
 
-def _configure_connection(dbapi_connection: Any, _record: Any) -> None:
+def _configure_connection(dbapi_connection: Any, _record: Any, *, settings: list[str]) -> None:
     dbapi_connection.run_async(_register_vector_type)
     # Filtered nearest-neighbour queries keep scanning the HNSW index until enough rows pass the filter, in
     # exact distance order (strict): the dedup lookup takes the first row as the nearest
     # (pgvector 0.8). Set once per connection rather than per query: one round trip less on the hot path.
+    # (Statements, not libpq's `options` at connect, which a PgBouncer in front may refuse.)
     cursor = dbapi_connection.cursor()
-    cursor.execute("SET hnsw.iterative_scan = strict_order")
+    for statement in settings:
+        cursor.execute(statement)
     cursor.close()
     dbapi_connection.commit()
 
