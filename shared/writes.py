@@ -12,6 +12,7 @@ its lookup, decision and insert.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -114,7 +115,7 @@ class WriteApplier:
         self._default_agent = AgentContext(model=default_model) if default_model else None
         self._llm_timeout = llm_timeout
         # Each memory's policy as last decided here: whether its writes may wait on arbitration.
-        self._arbitrating: dict[str, bool] = {}
+        self._arbitrating: OrderedDict[str, bool] = OrderedDict()  # least recently decided first
 
     def may_wait_on_a_model(self, prepared: PreparedWrite) -> bool:
         """Whether deciding this write may call a model: an agent's merge, or arbitration (by the write's own
@@ -130,10 +131,11 @@ class WriteApplier:
         return self._arbitrating.get(event.memory_id, True)
 
     def _remember_policies(self, memories: dict[str, Any]) -> None:
-        if len(self._arbitrating) > _POLICIES_REMEMBERED:
-            self._arbitrating.clear()  # a memory forgotten is only asked about again
         for memory_id, memory in memories.items():
             self._arbitrating[memory_id] = memory.write_policy == WritePolicy.ARBITRATE.value
+            self._arbitrating.move_to_end(memory_id)
+        while len(self._arbitrating) > _POLICIES_REMEMBERED:  # the least recently written is forgotten first
+            self._arbitrating.popitem(last=False)
 
     async def apply(self, event: MemoryWriteRequested, embedding: list[float] | None = None) -> AppliedWrite:
         """Decide and apply one write. `embedding` may be precomputed by a batching caller."""

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.handler import PreparedBatch, WriteHandler
 from shared import repository as repo
+from shared import writes as writes_module
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.embeddings import LOCAL_MODEL, embed_texts
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
@@ -434,3 +435,20 @@ async def test_stopping_the_writer_ends_the_wait_for_an_outage_at_once(
     finally:
         await nc.close()
     assert isinstance(results[0], OperationalError)
+
+
+async def test_the_policies_remembered_are_bounded_the_least_recently_written_forgotten_first(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(writes_module, "_POLICIES_REMEMBERED", 2)
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting", default_model="scripted/arbiter")
+    first, second, third = [await new_memory(client, project, name) for name in ("first", "second", "third")]
+    for memory in (first, second, first, third):  # `first` written again: `second` is now the oldest
+        await applier.apply_batch([write(memory, f"A fact {new_write_id()}")])
+
+    async def remembered_as_seed(memory: dict[str, Any]) -> bool:
+        (prepared,) = await applier.prepare([write(memory, f"Another fact {new_write_id()}")])
+        return not applier.may_wait_on_a_model(prepared)
+
+    assert [await remembered_as_seed(m) for m in (first, second, third)] == [True, False, True]
