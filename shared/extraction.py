@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -28,6 +29,7 @@ from shared.events import (
     MemoryWriteRequested,
     SourceType,
     WriteAction,
+    utcnow,
 )
 from shared.ids import WRITE_PREFIX
 from shared.llm import Completion, LlmError, RateLimited, complete
@@ -162,6 +164,9 @@ class Extractor:
 
     async def extract(self, event: GenerationCompleted) -> ExtractionResult:
         """Raises LlmError when every target failed: the caller lets JetStream redeliver (then dead-letters)."""
+        # The turn's time (a forgetting since then applies to its facts), never later than its arrival here: a
+        # platform's clock running ahead must not make a turn look newer than a forgetting made meanwhile.
+        turn_time = min(event.occurred_at, utcnow())
         async with self._sessions() as session:
             done = await registry.get_extraction(session, event.project_id, event.generation_id)
         if done is not None and done.status in ("completed", "skipped"):
@@ -198,7 +203,7 @@ class Extractor:
                 )
         # The target of the model that answered (its merges use it too); the first when none is known.
         target = next((t for t in targets if t.model == model), targets[0])
-        summary = await self._write(event, memory.id, facts, target)
+        summary = await self._write(event, memory.id, facts, target, turn_time)
         return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
 
     async def _targets(
@@ -241,7 +246,7 @@ class Extractor:
             await registry.add_usage(session, project_id, target.ai_provider_id, completion, Purpose.EXTRACTION)
 
     async def _write(
-        self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target
+        self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target, turn_time: datetime
     ) -> ExtractionSummary:
         writes = [
             MemoryWriteRequested(
@@ -253,7 +258,7 @@ class Extractor:
                 agent=target.context(event.agent.id),
                 source_generation_id=event.generation_id,
                 source_conversation_id=event.conversation_id,
-                sources_seen_at=event.occurred_at,  # the turn's time: a forgetting since then applies to it
+                sources_seen_at=turn_time,
             )
             for index, fact in enumerate(facts)
         ]

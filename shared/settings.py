@@ -8,9 +8,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-WRITE_TIMEOUT_MAX_S = 25.0
-"""A caller waits for its write less than `repository.STALE_PENDING`, after which a retry with the same key takes the
-write over: a longer wait would let the retry republish while the first caller still waits."""
+WRITE_TIMEOUT_MAX_S = 20.0
+"""A caller waits for its write (after up to 5 s to publish it) less than `repository.STALE_PENDING`, after which a
+retry with the same key takes the write over: a longer wait would let the retry republish while the first caller
+still waits."""
 
 
 class Settings(BaseSettings):
@@ -29,7 +30,7 @@ class Settings(BaseSettings):
         default=10.0,
         gt=0,
         le=WRITE_TIMEOUT_MAX_S,
-        description="wait for the writer before a 202 (at most 25 s: a claim older than 30 s is taken over by a retry)",
+        description="wait for the writer before a 202 (at most 20 s: a claim older than 30 s is taken over by a retry)",
     )
     memories_api_key_cache_s: float = Field(
         default=10.0,

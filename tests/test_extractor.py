@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, registry
-from shared.events import GenerationAgent, GenerationCompleted
+from shared.events import GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import Extractor, WritesPending
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
@@ -234,6 +235,28 @@ async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_wit
             assert result.status == "completed" and result.summary.created == 1
     cited = {e["content"]: e["source_conversation_id"] for e in await entries(client, memory["id"])}
     assert cited == {"The user drives a blue van.": None, "The user plays the cello.": "conv_cleared"}
+
+
+async def test_a_turn_stamped_by_a_clock_running_ahead_is_not_newer_than_a_forgetting_made_meanwhile(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = llm.script("extract-ahead", json.dumps(["The user collects stamps."]))
+    ahead = turn_event(memory, model, "gen_ahead", "I collect stamps.").model_copy(
+        update={"conversation_id": "conv_ahead", "occurred_at": utcnow() + timedelta(hours=1)}
+    )
+    ask_model = Extractor._complete
+
+    async def forgotten_while_the_model_answers(self: Extractor, *args: Any) -> Any:
+        await client.delete("/conversations/conv_ahead/provenance", params={"project_id": memory["project_id"]})
+        return await ask_model(self, *args)
+
+    monkeypatch.setattr(Extractor, "_complete", forgotten_while_the_model_answers)
+    async with direct_gateway(settings, sessions) as gateway:
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(ahead)
+    assert result.status == "completed" and result.summary.created == 1
+    [entry] = await entries(client, memory["id"])
+    assert entry["source_conversation_id"] is None
 
 
 async def test_a_rate_limited_model_is_asked_again_after_a_pause(
