@@ -52,7 +52,7 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
             written = client.post("/memory-entries", json={"memory_id": memory, "content": "The local run works"})
             assert written.status_code == 201 and written.json()["action"] == "created"
         # The API's HTTP protocol bounds a request's head (services.api.limits.BoundedHeadHttpTools).
-        huge = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES * 2) + b"\r\n\r\n"
+        huge = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES * 16) + b"\r\n\r\n"
         assert raw_exchange(port, huge).startswith(b"HTTP/1.1 431 ")
         # Without NATS_URL, the one-shot commands use the bus of the run on their data directory.
         for command in (["bus", "init"], ["dlq", "list"]):

@@ -47,7 +47,8 @@ class BodySizeLimit:
 
 
 MAX_HEAD_BYTES = 64 * 1024
-"""A request's line and headers together. The HTTP parser buffers a header until it ends, whatever its size."""
+"""A request's line and headers together, not counting the network read in which they begin (at most 256 KiB
+with uvloop). The HTTP parser buffers a header until it ends, whatever its size."""
 
 
 class BoundedHeadHttpTools(HttpToolsProtocol):
