@@ -221,67 +221,10 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bus_init(_args: argparse.Namespace) -> int:
-    from shared import bus
-    from shared.servers import NATS_URL_MISSING, nats_url_for
-
-    settings = get_settings()
-    nats_url = nats_url_for(settings.nats_url, settings.data_dir)
-    if not nats_url:
-        print(NATS_URL_MISSING, file=sys.stderr)
-        return 2
-
-    async def apply() -> None:
-        nc = await bus.connect(nats_url, name="memories-bus-init", one_shot=True)
-        try:
-            await bus.ensure_layout(nc.jetstream(), settings, sets_partitions=True)
-        finally:
-            await nc.close()
-
-    try:
-        asyncio.run(apply())
-    except bus.BusUnreachable as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    print(f"streams and consumers applied ({settings.memories_partitions} partitions)")
-    return 0
-
-
-def cmd_bus_status(_args: argparse.Namespace) -> int:
-    from services.cli_dlq import with_jetstream
-    from shared import bus
-
-    settings = get_settings()
-    states = with_jetstream(lambda js: bus.consumer_states(js, settings))
-    if states is None:
-        return 2
-    print(f"{'STREAM':16}  {'CONSUMER':24}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}")
-    for state in states:
-        stale = "" if state.in_layout else f"  not in the layout of {settings.memories_partitions} partitions"
-        print(f"{state.stream:16}  {state.consumer:24}  {state.pending:>8}  {state.in_flight:>9}  {state.redelivered:>11}{stale}")
-    return 0
-
-
-def cmd_bus_prune(_args: argparse.Namespace) -> int:
-    from services.cli_dlq import with_jetstream
-    from shared import bus
-
-    settings = get_settings()
-    pruned = with_jetstream(lambda js: bus.prune_consumers(js, settings))
-    if pruned is None:
-        return 2
-    deleted, busy = pruned
-    print(f"deleted: {', '.join(deleted) or 'none'}")
-    if busy:
-        print(f"kept, messages still wait on them (drain first): {', '.join(busy)}", file=sys.stderr)
-        return 1
-    return 0
-
-
 BENCHMARKS = ("search", "write", "guard", "extract")
 
-_COMMAND_MODULES = ("services.cli_dlq", "services.cli_resources", "services.cli_contracts")
-"""Modules whose `register(subparsers)` adds more verbs (dead letters, the REST resources, contracts)."""
+_COMMAND_MODULES = ("services.cli_bus", "services.cli_dlq", "services.cli_resources", "services.cli_contracts")
+"""Modules whose `register(subparsers)` adds more verbs (the bus, dead letters, the REST resources, contracts)."""
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -306,15 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
     writer.set_defaults(func=cmd_writer)
     sub.add_parser("extractor", help="run one extractor replica").set_defaults(func=cmd_extractor)
     sub.add_parser("migrate", help="apply the database migrations").set_defaults(func=cmd_migrate)
-    bus_parser = sub.add_parser("bus", help="NATS JetStream layout")
-    bus_sub = bus_parser.add_subparsers(dest="bus_command", required=True)
-    bus_sub.add_parser("init", help="create or update streams and consumers").set_defaults(func=cmd_bus_init)
-    bus_sub.add_parser("status", help="each consumer's backlog, in flight and redelivered").set_defaults(
-        func=cmd_bus_status
-    )
-    bus_sub.add_parser(
-        "prune", help="delete consumers the layout no longer has (after lowering the partition count), if idle"
-    ).set_defaults(func=cmd_bus_prune)
     bench = sub.add_parser("bench", help="benchmarks that print a table (not tests)")
     bench.add_argument("benchmark", choices=BENCHMARKS)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (--help)")

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
-from nats.js import JetStreamContext
-
-from shared import bus, dead_letters
-from shared.servers import NATS_URL_MISSING, nats_url_for
-from shared.settings import get_settings
+from services.cli_bus import with_jetstream
+from shared import dead_letters
 
 ORIGINS = ("writer", "extractor")
 _REASON_WIDTH = 80
-
-T = TypeVar("T")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds this module's verbs to the `memories` parser."""
@@ -42,29 +33,6 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
-
-
-def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
-    """Run `work` on the bus of the settings (or of the local run): None (told) when no bus is configured; exits 1
-    when it cannot be reached."""
-    settings = get_settings()
-    nats_url = nats_url_for(settings.nats_url, settings.data_dir)
-    if not nats_url:
-        print(NATS_URL_MISSING, file=sys.stderr)
-        return None
-
-    async def run() -> T:
-        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True)
-        try:
-            return await work(nc.jetstream())
-        finally:
-            await nc.close()
-
-    try:
-        return asyncio.run(run())
-    except bus.BusUnreachable as exc:
-        print(exc, file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:

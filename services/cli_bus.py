@@ -1,0 +1,92 @@
+"""The bus: `memories bus init`, `memories bus status` and `memories bus prune`, and the one way every one-shot
+command reaches JetStream (the configured NATS, or the local run's)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from nats.js import JetStreamContext
+
+from shared import bus
+from shared.servers import NATS_URL_MISSING, nats_url_for
+from shared.settings import get_settings
+
+T = TypeVar("T")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds this module's verbs to the `memories` parser."""
+    verbs = subparsers.add_parser("bus", help="NATS JetStream layout").add_subparsers(dest="bus_command", required=True)
+    verbs.add_parser("init", help="create or update streams and consumers").set_defaults(func=cmd_bus_init)
+    verbs.add_parser("status", help="each consumer's backlog, in flight and redelivered").set_defaults(
+        func=cmd_bus_status
+    )
+    verbs.add_parser(
+        "prune", help="delete consumers the layout no longer has (after lowering the partition count), if idle"
+    ).set_defaults(func=cmd_bus_prune)
+
+
+def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
+    """Run `work` on the bus of the settings (or of the local run): None (told) when no bus is configured; exits 1
+    when it cannot be reached."""
+    settings = get_settings()
+    nats_url = nats_url_for(settings.nats_url, settings.data_dir)
+    if not nats_url:
+        print(NATS_URL_MISSING, file=sys.stderr)
+        return None
+
+    async def run() -> T:
+        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True)
+        try:
+            return await work(nc.jetstream())
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(run())
+    except bus.BusUnreachable as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def cmd_bus_init(_args: argparse.Namespace) -> int:
+    settings = get_settings()
+
+    async def apply(js: JetStreamContext) -> bool:
+        await bus.ensure_layout(js, settings, sets_partitions=True)
+        return True
+
+    if with_jetstream(apply) is None:
+        return 2
+    print(f"streams and consumers applied ({settings.memories_partitions} partitions)")
+    return 0
+
+
+def cmd_bus_status(_args: argparse.Namespace) -> int:
+    settings = get_settings()
+    states = with_jetstream(lambda js: bus.consumer_states(js, settings))
+    if states is None:
+        return 2
+    print(f"{'STREAM':16}  {'CONSUMER':24}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}")
+    for state in states:
+        stale = "" if state.in_layout else f"  not in the layout of {settings.memories_partitions} partitions"
+        counts = f"{state.pending:>8}  {state.in_flight:>9}  {state.redelivered:>11}"
+        print(f"{state.stream:16}  {state.consumer:24}  {counts}{stale}")
+    return 0
+
+
+def cmd_bus_prune(_args: argparse.Namespace) -> int:
+    settings = get_settings()
+    pruned = with_jetstream(lambda js: bus.prune_consumers(js, settings))
+    if pruned is None:
+        return 2
+    deleted, busy = pruned
+    print(f"deleted: {', '.join(deleted) or 'none'}")
+    if busy:
+        print(f"kept, messages still wait on them (drain first): {', '.join(busy)}", file=sys.stderr)
+        return 1
+    return 0
