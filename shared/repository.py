@@ -554,7 +554,12 @@ async def hold_provenance(
 
 
 async def clear_provenance(
-    session: AsyncSession, project_id: str, *, generation_id: str | None = None, conversation_id: str | None = None
+    session: AsyncSession,
+    project_id: str,
+    *,
+    generation_id: str | None = None,
+    conversation_id: str | None = None,
+    deleted_at: datetime | None = None,
 ) -> int:
     """A deleted generation or conversation stops being referenced; the facts learned from it stay. When is
     remembered, so a write still in flight (an extraction, a tool call) cannot bring it back, while one that
@@ -565,6 +570,10 @@ async def clear_provenance(
     assert value is not None
     # Exclusive: entries being written with this reference are committed first and cleared below.
     await _lock_keys(session, [_provenance_lock_key((project_id, kind, value))], shared=False)
+    if deleted_at is not None and await _forgotten_since(session, (project_id, kind, value), deleted_at):
+        # A deletion event delivered again (its ack was lost), or one older than a forgetting made since: applied
+        # already. Applied again, it would clear what cites a conversation anew after "clear history".
+        return 0
     if len(value) <= _REFERENCE_MAX_CHARS:  # a longer one no entry can hold
         # Of an existing project only: a deletion event of a project deleted since must not fail for ever.
         # clock_timestamp(), not now(): the moment the lock was granted, after every write that held it.
@@ -587,6 +596,14 @@ async def clear_provenance(
         .execution_options(synchronize_session=False)
     )
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+async def _forgotten_since(session: AsyncSession, reference: ProvenanceRef, moment: datetime) -> bool:
+    columns = (ForgottenProvenance.project_id, ForgottenProvenance.kind, ForgottenProvenance.reference)
+    forgotten_at = await session.scalar(
+        select(ForgottenProvenance.forgotten_at).where(tuple_(*columns) == tuple_(*map(literal, reference)))
+    )
+    return forgotten_at is not None and forgotten_at >= moment
 
 
 # API keys ---------------------------------------------------------------------------------------

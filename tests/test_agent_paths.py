@@ -16,7 +16,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import bus
 from shared import repository as repo
 from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
-from shared.events import AgentContext, GenerationCompleted, GenerationDeleted, MemoryWriteRequested
+from shared.events import (
+    AgentContext,
+    ConversationDeleted,
+    GenerationCompleted,
+    GenerationDeleted,
+    MemoryWriteRequested,
+)
 from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
@@ -478,6 +484,44 @@ async def test_a_conversation_cited_again_after_it_was_forgotten_keeps_its_new_r
     await forget()
     assert await cited(between) is None
     assert await cited(citing("The shop sells bicycles")) == "conv_reused"
+
+
+async def test_a_conversation_deletion_delivered_again_clears_no_citation_made_since(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    project, applier = memory["project_id"], WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+
+    async def citing(content: str) -> str:
+        write = MemoryWriteRequested(event_id=new_write_id(), project_id=project, memory_id=memory["id"],
+                                     content=content, source_conversation_id="conv_redelivered")
+        return (await applier.apply(write)).outcome.entry_id or ""
+
+    async def cited(entry_id: str) -> str | None:
+        return (await get_entry(client, entry_id))["source_conversation_id"]
+
+    deletion = ConversationDeleted(event_id="evt_clear", project_id=project, conversation_id="conv_redelivered")
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+
+    async def delivered(msg_id: str) -> None:  # another message id: past the stream's duplicate window, say
+        await js.publish(bus.conversation_deleted_subject(project), deletion.model_dump_json().encode(),
+                         stream=bus.GENERATIONS_STREAM, headers={"Nats-Msg-Id": msg_id})
+        for _ in range(200):
+            info = await js.consumer_info(bus.GENERATIONS_STREAM, bus.WRITER_CONVERSATION_DELETIONS)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the deletion was never handled")
+
+    try:
+        before = await citing("The user asked about parcels")
+        await delivered("first")
+        assert await cited(before) is None
+        after = await citing("The user asked about returns")  # the conversation goes on after "clear history"
+        await delivered("again")  # its ack was lost: the same deletion once more
+        assert await cited(after) == "conv_redelivered"
+    finally:
+        await nc.close()
 
 
 async def test_a_forgotten_generation_stays_forgotten_even_for_a_later_write(

@@ -32,11 +32,14 @@ class ProvenanceHandler:
             return
         try:
             async with self._sessions.begin() as session:
+                # Its time says whether it was applied already (a redelivery must not clear newer citations).
                 if isinstance(event, GenerationDeleted):
-                    cleared = await repo.clear_provenance(session, event.project_id, generation_id=event.generation_id)
+                    cleared = await repo.clear_provenance(
+                        session, event.project_id, generation_id=event.generation_id, deleted_at=event.occurred_at
+                    )
                 else:
                     cleared = await repo.clear_provenance(
-                        session, event.project_id, conversation_id=event.conversation_id
+                        session, event.project_id, conversation_id=event.conversation_id, deleted_at=event.occurred_at
                     )
         except Exception:
             log.exception("could not clear provenance for %s", subject)
