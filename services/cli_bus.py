@@ -60,28 +60,38 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
         await bus.ensure_layout(js, settings, sets_partitions=True)
         return True
 
-    if with_jetstream(apply) is None:
-        return 2
+    try:
+        if with_jetstream(apply) is None:
+            return 2
+    except bus.PartitionCountMismatch as exc:
+        print(exc, file=sys.stderr)
+        return 1
     print(f"streams and consumers applied ({settings.memories_partitions} partitions)")
     return 0
 
 
 def cmd_bus_status(_args: argparse.Namespace) -> int:
     settings = get_settings()
-    states = with_jetstream(lambda js: bus.consumer_states(js, settings))
-    if states is None:
+    status = with_jetstream(lambda js: bus.bus_status(js, settings))
+    if status is None:
         return 2
-    print(f"{'STREAM':16}  {'CONSUMER':24}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}")
-    for state in states:
-        stale = "" if state.in_layout else f"  not in the layout of {settings.memories_partitions} partitions"
+    laid_out = "not laid out yet" if status.partitions is None else f"laid out for {status.partitions} partitions"
+    print(f"{bus.WRITES_STREAM}: {laid_out}, {status.queued_writes} writes queued")
+    print(f"{'STREAM':16}  {'CONSUMER':24}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}  NOTE")
+    notes = {"layout": "", "stale": "a partition beyond the count: `memories bus prune`", "other": "not the service's"}
+    for state in status.consumers:
         counts = f"{state.pending:>8}  {state.in_flight:>9}  {state.redelivered:>11}"
-        print(f"{state.stream:16}  {state.consumer:24}  {counts}{stale}")
+        print(f"{state.stream:16}  {state.consumer:24}  {counts}  {notes[state.role]}".rstrip())
     return 0
 
 
 def cmd_bus_prune(_args: argparse.Namespace) -> int:
     settings = get_settings()
-    pruned = with_jetstream(lambda js: bus.prune_consumers(js, settings))
+    try:
+        pruned = with_jetstream(lambda js: bus.prune_consumers(js, settings))
+    except bus.PartitionCountMismatch as exc:
+        print(exc, file=sys.stderr)
+        return 1
     if pruned is None:
         return 2
     deleted, busy = pruned

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -201,26 +202,41 @@ async def ensure_layout(
 
 
 async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
+    await _check_partitions(js, settings, sets_partitions=sets_partitions)
     plan = layout(settings)
     for stream in plan.streams:
         try:
-            info = await js.stream_info(stream.name or "")
+            await js.stream_info(stream.name or "")
         except NotFoundError:
             await js.add_stream(stream)
             continue
-        recorded = (info.config.metadata or {}).get(PARTITIONS_METADATA)
-        if stream.name == WRITES_STREAM and recorded not in (None, str(settings.memories_partitions)):
-            if not sets_partitions:
-                raise PartitionCountMismatch(
-                    f"MEMORIES_PARTITIONS is {settings.memories_partitions} here, but the bus is laid out for "
-                    f"{recorded} partitions: configure every service alike, or change the count as docs/operations.md "
-                    "says (`memories bus init` applies it)"
-                )
-            log.warning("partition count changed from %s to %s", recorded, settings.memories_partitions)
         await js.update_stream(stream)
     for stream_name, consumers in plan.consumers.items():
         for consumer in consumers:
             await _ensure_consumer(js, stream_name, consumer)
+
+
+async def _check_partitions(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
+    """A service starts only with the count the bus is laid out for; `memories bus init` changes it only once
+    MEMORY_WRITES is drained (a queued write would land on a partition that changed, or on none)."""
+    recorded = await recorded_partitions(js)
+    if recorded in (None, settings.memories_partitions):
+        return
+    if not sets_partitions:
+        raise PartitionCountMismatch(
+            f"MEMORIES_PARTITIONS is {settings.memories_partitions} here, but the bus is laid out for {recorded} "
+            "partitions: configure every service alike, or change the count as docs/operations.md says"
+        )
+    queued = (await js.stream_info(WRITES_STREAM)).state.messages
+    if queued:
+        raise PartitionCountMismatch(
+            f"the partition count cannot change from {recorded} to {settings.memories_partitions} while "
+            f"{queued} writes are queued in {WRITES_STREAM}: stop the publishers and let the writers drain it first"
+        )
+    log.warning("partition count changed from %s to %s", recorded, settings.memories_partitions)
+
+
+_WRITER_DURABLE = re.compile(r"writer-p(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,36 +246,73 @@ class ConsumerState:
     pending: int  # not yet delivered
     in_flight: int  # delivered, not acknowledged
     redelivered: int
-    in_layout: bool  # False: left by an earlier layout (a partition count since lowered)
+    role: str  # "layout"; "stale": a writer partition beyond the count; "other": not the service's (an integrator's)
 
 
-async def consumer_states(js: JetStreamContext, settings: Settings) -> list[ConsumerState]:
-    """Every durable consumer of the layout's streams, as JetStream reports it now (`memories bus status`)."""
+@dataclass(frozen=True, slots=True)
+class BusStatus:
+    partitions: int | None  # what MEMORY_WRITES is laid out for; None before `memories bus init`
+    queued_writes: int  # messages in MEMORY_WRITES: more than the writer consumers' backlog means orphans
+    consumers: list[ConsumerState]
+
+
+async def recorded_partitions(js: JetStreamContext) -> int | None:
+    """The partition count MEMORY_WRITES is laid out for: recorded in its metadata by `memories bus init`, or, on a
+    bus laid out before that was recorded, one more than its highest writer partition consumer. None when empty."""
+    try:
+        info = await js.stream_info(WRITES_STREAM)
+    except NotFoundError:
+        return None
+    recorded = (info.config.metadata or {}).get(PARTITIONS_METADATA)
+    if recorded is not None:
+        return int(recorded)
+    partitions = [_writer_partition(consumer.name) for consumer in await js.consumers_info(WRITES_STREAM)]
+    known = [p for p in partitions if p is not None]
+    return max(known) + 1 if known else None
+
+
+def _writer_partition(consumer: str) -> int | None:
+    matched = _WRITER_DURABLE.fullmatch(consumer)
+    return int(matched.group(1)) if matched else None
+
+
+async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
+    """Every durable consumer of the layout's streams as JetStream reports it now (`memories bus status`)."""
+    partitions = await recorded_partitions(js)
     plan = layout(settings)
     planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
-    states = []
+    states, queued = [], 0
     for stream in plan.streams:
         name = stream.name or ""
         try:
             infos = await js.consumers_info(name)
+            if name == WRITES_STREAM:
+                queued = (await js.stream_info(name)).state.messages
         except NotFoundError:  # the layout is not applied yet
             continue
         for info in sorted(infos, key=lambda i: i.name):
-            states.append(
-                ConsumerState(
-                    name, info.name, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
-                    (name, info.name) in planned,
-                )
-            )
-    return states
+            partition = _writer_partition(info.name) if name == WRITES_STREAM else None
+            stale = partition is not None and partitions is not None and partition >= partitions
+            role = "stale" if stale else "layout" if (name, info.name) in planned else "other"
+            counts = (info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
+            states.append(ConsumerState(name, info.name, *counts, role=role))
+    return BusStatus(partitions, queued, states)
 
 
 async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[list[str], list[str]]:
-    """Delete the consumers the layout no longer has (`writer-p<N>`… after lowering the partition count), unless
-    a message still waits on one (it would be lost with it): (deleted, kept because busy)."""
+    """Delete the writer partition consumers beyond the count MEMORY_WRITES is laid out for (`writer-p<N>`… after
+    the count was lowered), unless a message still waits on one (it would be lost with it): (deleted, kept because
+    busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
+    Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
+    status = await bus_status(js, settings)
+    if status.partitions != settings.memories_partitions:
+        raise PartitionCountMismatch(
+            f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "
+            f"{settings.memories_partitions} here: nothing pruned (apply the count with `memories bus init` first)"
+        )
     deleted, busy = [], []
-    for state in await consumer_states(js, settings):
-        if state.in_layout:
+    for state in status.consumers:
+        if state.role != "stale":
             continue
         if state.pending or state.in_flight:
             busy.append(state.consumer)

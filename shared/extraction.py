@@ -162,11 +162,13 @@ class Extractor:
         self._service_model = service_model
         self._rate_limit_retries = rate_limit_retries
 
-    async def extract(self, event: GenerationCompleted) -> ExtractionResult:
-        """Raises LlmError when every target failed: the caller lets JetStream redeliver (then dead-letters)."""
-        # The turn's time (a forgetting since then applies to its facts), never later than its arrival here: a
-        # platform's clock running ahead must not make a turn look newer than a forgetting made meanwhile.
-        turn_time = min(event.occurred_at, utcnow())
+    async def extract(self, event: GenerationCompleted, *, arrived_at: datetime | None = None) -> ExtractionResult:
+        """Raises LlmError when every target failed: the caller lets JetStream redeliver (then dead-letters).
+
+        `arrived_at`: when the turn reached the bus (the same on every redelivery); default now."""
+        # The turn's time (a forgetting since then applies to its facts), never later than its arrival: a platform's
+        # clock running ahead must not make a turn look newer than a forgetting made meanwhile.
+        turn_time = min(event.occurred_at, arrived_at or utcnow())
         async with self._sessions() as session:
             done = await registry.get_extraction(session, event.project_id, event.generation_id)
         if done is not None and done.status in ("completed", "skipped"):

@@ -22,6 +22,7 @@ from shared.events import (
     GenerationCompleted,
     GenerationDeleted,
     MemoryWriteRequested,
+    utcnow,
 )
 from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
@@ -503,8 +504,9 @@ async def test_a_conversation_deletion_delivered_again_clears_no_citation_made_s
     nc = await nats.connect(settings.nats_url)
     js = nc.jetstream()
 
-    async def delivered(msg_id: str) -> None:  # another message id: past the stream's duplicate window, say
-        await js.publish(bus.conversation_deleted_subject(project), deletion.model_dump_json().encode(),
+    async def delivered(msg_id: str, event: ConversationDeleted = deletion) -> None:  # another message id: past
+        # the stream's duplicate window, say
+        await js.publish(bus.conversation_deleted_subject(project), event.model_dump_json().encode(),
                          stream=bus.GENERATIONS_STREAM, headers={"Nats-Msg-Id": msg_id})
         for _ in range(200):
             info = await js.consumer_info(bus.GENERATIONS_STREAM, bus.WRITER_CONVERSATION_DELETIONS)
@@ -520,6 +522,9 @@ async def test_a_conversation_deletion_delivered_again_clears_no_citation_made_s
         after = await citing("The user asked about returns")  # the conversation goes on after "clear history"
         await delivered("again")  # its ack was lost: the same deletion once more
         assert await cited(after) == "conv_redelivered"
+        # A later "clear history" (a deletion of its own) clears it all the same.
+        await delivered("later", deletion.model_copy(update={"event_id": "evt_clear_2", "occurred_at": utcnow()}))
+        assert await cited(after) is None
     finally:
         await nc.close()
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nats.errors
 import pytest
+from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared import bus
@@ -65,5 +66,33 @@ async def test_a_service_configured_for_another_partition_count_than_the_bus_ref
             await bus.ensure_layout(js, Settings(memories_partitions=4))
             info = await js.stream_info(bus.WRITES_STREAM)
             assert (info.config.metadata or {})[bus.PARTITIONS_METADATA] == "4"
+        finally:
+            await nc.close()
+
+
+async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bus_is_read_from_its_consumers(
+    tmp_path: Path,
+) -> None:
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus.connect(server.url, name="test-partitions")
+        try:
+            js = nc.jetstream()
+            # Laid out by a version that did not record the count: read from its writer partition consumers.
+            await js.add_stream(StreamConfig(name=bus.WRITES_STREAM, subjects=[f"{bus.WRITE_SUBJECT_ROOT}.>"],
+                                             retention=RetentionPolicy.WORK_QUEUE))
+            for partition in range(6):
+                await js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
+                    durable_name=bus.writer_durable(partition), filter_subject=bus.partition_filter(partition)))
+            assert await bus.recorded_partitions(js) == 6
+            with pytest.raises(bus.PartitionCountMismatch):
+                await bus.ensure_layout(js, Settings(memories_partitions=8))
+            await bus.ensure_layout(js, Settings(memories_partitions=6))
+            # A write still queued: the count may not change under it, not even by `memories bus init`.
+            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.3.mem_queued", b"{}", stream=bus.WRITES_STREAM)
+            with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):
+                await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
+            await js.purge_stream(bus.WRITES_STREAM)
+            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
+            assert await bus.recorded_partitions(js) == 4
         finally:
             await nc.close()

@@ -17,7 +17,7 @@ from typing import Any
 import nats
 import pytest
 import yaml  # type: ignore[import-untyped]
-from nats.js.api import RetentionPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from services.cli import _parse_partitions, build_parser, main
 from shared import bus, metrics
@@ -392,16 +392,25 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         half = str(partitions // 2)
         assert run_bus_init(nats_cluster, MEMORIES_PARTITIONS=half).returncode == 0
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
-        # `bus status` shows them as left over; `bus prune` deletes the idle ones and keeps one a write waits on.
+        # `bus status` shows them as left over; `bus prune` deletes the idle ones and keeps one a write waits on. An
+        # integrator's durable on the change feed is not the service's: shown as such, never pruned.
+        await js.add_consumer(bus.EVENTS_STREAM, ConsumerConfig(durable_name="crm-sync", ack_policy=AckPolicy.EXPLICIT))
         status = run_bus("status", nats_cluster, MEMORIES_PARTITIONS=half)
-        stale = [line.split()[1] for line in status.stdout.splitlines() if "not in the layout" in line]
+        stale = [line.split()[1] for line in status.stdout.splitlines() if "beyond the count" in line]
         assert status.returncode == 0 and stale == sorted(bus.writer_durable(p) for p in range(partitions // 2, partitions))
+        assert f"laid out for {half} partitions" in status.stdout
+        assert any("crm-sync" in line and "not the service's" in line for line in status.stdout.splitlines())
+        # Run with another count than the bus is laid out for (a shell's default, a typo): nothing is deleted.
+        refused = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4))
+        assert refused.returncode == 1 and f"laid out for {half} partitions" in refused.stderr
+        assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
         waiting = bus.writer_durable(partitions - 1)
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
         pruned = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half)
         assert pruned.returncode == 1 and waiting in pruned.stderr
         left = {c.name for c in await js.consumers_info(bus.WRITES_STREAM)}
         assert left == {bus.writer_durable(p) for p in range(partitions // 2)} | {waiting}
+        assert "crm-sync" in {c.name for c in await js.consumers_info(bus.EVENTS_STREAM)}
         drained = await js.pull_subscribe_bind(durable=waiting, stream=bus.WRITES_STREAM)
         [message] = await drained.fetch(batch=1, timeout=5)
         await message.ack_sync()

@@ -259,6 +259,26 @@ async def test_a_turn_stamped_by_a_clock_running_ahead_is_not_newer_than_a_forge
     assert entry["source_conversation_id"] is None
 
 
+async def test_a_redelivered_turn_keeps_the_time_it_reached_the_bus(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # Delivered again after a forgetting (its model failed the first time), by a platform whose clock runs ahead:
+    # its time is when it reached the bus, the same on every delivery, not this delivery's.
+    model = llm.script("extract-redelivered-ahead", json.dumps(["The user keeps bees."]))
+    reached_bus = utcnow()
+    turn = turn_event(memory, model, "gen_again", "I keep bees.").model_copy(
+        update={"conversation_id": "conv_again", "occurred_at": utcnow() + timedelta(hours=1)}
+    )
+    await client.delete("/conversations/conv_again/provenance", params={"project_id": memory["project_id"]})
+    async with direct_gateway(settings, sessions) as gateway:
+        extractor = Extractor(sessions, gateway, llm_timeout=5, write_timeout=15)
+        result = await extractor.extract(turn, arrived_at=reached_bus)
+    assert result.status == "completed" and result.summary.created == 1
+    [entry] = await entries(client, memory["id"])
+    assert entry["source_conversation_id"] is None
+
+
 async def test_a_rate_limited_model_is_asked_again_after_a_pause(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
     sessions: async_sessionmaker[AsyncSession],

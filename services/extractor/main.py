@@ -75,8 +75,9 @@ class ExtractorService(ConsumerProcess):
     async def _handle_event(self, message: NatsMessage, event: GenerationCompleted) -> None:
         assert self._extractor is not None
         heartbeat = asyncio.create_task(self._keep_in_progress(message))
+        metadata = message.raw_message.metadata
         try:
-            result = await self._extractor.extract(event)
+            result = await self._extractor.extract(event, arrived_at=metadata.timestamp if metadata else None)
         except (LlmError, WritesPending) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return

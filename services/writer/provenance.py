@@ -30,16 +30,19 @@ class ProvenanceHandler:
             await self._dead_letter(subject, message.body, reason=f"invalid deletion event: {exc.errors()[:3]}")
             await message.ack()
             return
+        # Its time says whether it was applied already (a redelivery must not clear newer citations): the platform's,
+        # never later than the stream's (the same on every redelivery), should the platform's clock run ahead.
+        stored = message.raw_message.metadata.timestamp if message.raw_message.metadata else None
+        deleted_at = min(event.occurred_at, stored) if stored is not None else event.occurred_at
         try:
             async with self._sessions.begin() as session:
-                # Its time says whether it was applied already (a redelivery must not clear newer citations).
                 if isinstance(event, GenerationDeleted):
                     cleared = await repo.clear_provenance(
-                        session, event.project_id, generation_id=event.generation_id, deleted_at=event.occurred_at
+                        session, event.project_id, generation_id=event.generation_id, deleted_at=deleted_at
                     )
                 else:
                     cleared = await repo.clear_provenance(
-                        session, event.project_id, conversation_id=event.conversation_id, deleted_at=event.occurred_at
+                        session, event.project_id, conversation_id=event.conversation_id, deleted_at=deleted_at
                     )
         except Exception:
             log.exception("could not clear provenance for %s", subject)
