@@ -9,6 +9,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import nats.errors
 from nats.js import JetStreamContext
 
 from shared import bus
@@ -48,8 +49,8 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
 
     try:
         return asyncio.run(run())
-    except bus.BusUnreachable as exc:
-        print(exc, file=sys.stderr)
+    except (bus.BusUnreachable, nats.errors.Error) as exc:  # unreachable, or JetStream refused: one line, no traceback
+        print(exc or type(exc).__name__, file=sys.stderr)
         raise SystemExit(1) from None
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import re
 from typing import Annotated, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     AfterValidator,
@@ -126,6 +127,43 @@ def refuse_service_variable(name: str) -> str:
     return name
 
 
+_KEY_PARAMETERS = frozenset(
+    {"api_key", "apikey", "api-key", "key", "token", "access_token", "code", "sig", "signature", "subscription-key",
+     "x-api-key"}
+)
+
+
+def refuse_credentials(address: str) -> str:
+    """A key in a provider's address is shown to whoever reads the registry, travels with every write event and
+    into dead letters, and fails next to the bearer key anyway: the key belongs in the variable `api_key_env`
+    names."""
+    parts = urlsplit(address)
+    if parts.username or parts.password:
+        raise ValueError("must not carry credentials (user:password@): name the key's variable in api_key_env")
+    if any(name.lower() in _KEY_PARAMETERS for name, _ in parse_qsl(parts.query)):
+        raise ValueError("must not carry a key in its query: name the key's variable in api_key_env")
+    return address
+
+
+def redact_address(address: str) -> str:
+    """`address` with any credentials it carries replaced by `***` (one stored before they were refused)."""
+    parts = urlsplit(address)
+    host = parts.hostname or ""
+    netloc = f"***@{host}" if parts.username or parts.password else parts.netloc
+    if parts.port and (parts.username or parts.password):
+        netloc += f":{parts.port}"
+    query = urlencode(
+        [(name, "***" if name.lower() in _KEY_PARAMETERS else value) for name, value in parse_qsl(parts.query)],
+        safe="*",
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+ProviderAddress = Annotated[
+    str, StringConstraints(max_length=2048), AfterValidator(refuse_nul), AfterValidator(refuse_credentials)
+]
+"""Where a provider's models answer (litellm's api_base), without credentials."""
+
 KeyVariable = Annotated[
     str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"), AfterValidator(refuse_service_variable)
 ]
@@ -141,7 +179,7 @@ class AgentSpec(BaseModel):
     model: str | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
     ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
     model_route_id: str | None = Field(default=None, description="the agent's model route")
-    api_base: str | None = None
+    api_base: ProviderAddress | None = None
     api_key_env: KeyVariable | None = Field(default=None, description="name of the env variable with the provider key")
     knowledge_config: KnowledgeConfig = Field(
         default_factory=KnowledgeConfig, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")

@@ -18,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api.main import API_PREFIX, create_app
+from shared import registry
 from shared import repository as repo
 from shared.db.models import ApiKey
 from shared.ids import ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id, new_write_id
@@ -428,3 +429,18 @@ async def test_a_provider_address_may_not_carry_a_key(
     assert "secret" not in refused.text and "sk-live" not in refused.text
     kept = await client.post("/ai-providers", json={**provider, "api_base": "https://llm.example/v1?api-version=2024-06-01"})
     assert kept.status_code == 201
+    tool = {"content": "Alice likes tea", "agent": {"model": "openai/anything", "api_base": api_base,
+            "knowledge_config": {"write_memory_id": tenants[0].target.memory_id}}}
+    assert (await client.post("/tools/write_memory", json=tool)).status_code == 400  # the admin's own, too
+
+
+async def test_a_provider_stored_with_a_key_in_its_address_is_shown_without_it(
+    client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    project_id = tenants[0].target.project_id
+    async with sessions.begin() as session:  # stored before such addresses were refused
+        await registry.create_provider(session, project_id, name="old", provider="openai", api_key_env=None,
+                                       default_model=None, api_base="https://user:pw@llm.example:8443/v1?key=sk-live&v=2")
+    listed = (await client.get("/ai-providers", params={"project_id": project_id})).json()["data"]
+    [shown] = [p["api_base"] for p in listed if p["name"] == "old"]
+    assert shown == "https://***@llm.example:8443/v1?key=***&v=2"

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 from fastapi import APIRouter, Response, status
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel, Field, field_serializer
 
 from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.pagination import Paging, PagingDep
 from services.api.schemas import Name, Page, Strict, Timestamp
 from shared import registry
-from shared.agents import KeyVariable
+from shared.agents import KeyVariable, ProviderAddress, redact_address
 from shared.events import Text
 
 router = APIRouter(tags=["model registry"])
@@ -23,25 +22,11 @@ Item = TypeVar("Item")
 ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
 
 
-def _no_credentials(api_base: str) -> str:
-    """A key in the address would be shown to every admin reading the registry, and fails anyway next to the
-    bearer key: the key belongs in the variable `api_key_env` names."""
-    address = urlsplit(api_base)
-    if address.username or address.password:
-        raise ValueError("must not carry credentials (user:password@): name the key's variable in api_key_env")
-    if any(name.lower() in _KEY_PARAMETERS for name, _ in parse_qsl(address.query)):
-        raise ValueError("must not carry a key in its query: name the key's variable in api_key_env")
-    return api_base
-
-
-_KEY_PARAMETERS = frozenset({"api_key", "apikey", "key", "token", "access_token", "api-key"})
-
-
 class ProviderCreate(Strict):
     project_id: str | None = None
     name: Name
     provider: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$", description="litellm prefix, e.g. openai")]
-    api_base: Annotated[Text, Field(max_length=2048), AfterValidator(_no_credentials)] | None = None
+    api_base: ProviderAddress | None = None
     api_key_env: KeyVariable | None = Field(default=None, description="NAME of the env variable with the key")
     default_model: ModelName | None = None
 
@@ -55,6 +40,10 @@ class ProviderOut(BaseModel):
     api_key_env: str | None
     default_model: str | None
     created_at: Timestamp
+
+    @field_serializer("api_base")
+    def _shown_without_credentials(self, api_base: str | None) -> str | None:
+        return redact_address(api_base) if api_base else api_base  # one stored before they were refused
 
 
 class RouteTarget(Strict):
