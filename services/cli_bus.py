@@ -50,7 +50,7 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
     try:
         return asyncio.run(run())
     except (bus.BusUnreachable, nats.errors.Error) as exc:  # unreachable, or JetStream refused: one line, no traceback
-        print(exc or type(exc).__name__, file=sys.stderr)
+        print(str(exc) or type(exc).__name__, file=sys.stderr)
         raise SystemExit(1) from None
 
 
