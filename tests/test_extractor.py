@@ -237,14 +237,29 @@ async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_wit
     assert cited == {"The user drives a blue van.": None, "The user plays the cello.": "conv_cleared"}
 
 
+def from_a_clock_ahead(turn: GenerationCompleted, conversation_id: str) -> GenerationCompleted:
+    """The turn as a platform whose clock runs an hour ahead stamps it."""
+    return turn.model_copy(update={"conversation_id": conversation_id, "occurred_at": utcnow() + timedelta(hours=1)})
+
+
+async def cited_by_its_fact(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], client: httpx.AsyncClient,
+    memory: dict[str, Any], turn: GenerationCompleted, **delivery: Any,
+) -> str | None:
+    """Extract `turn` (one fact); the conversation its entry cites."""
+    async with direct_gateway(settings, sessions) as gateway:
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(turn, **delivery)
+    assert result.status == "completed" and result.summary.created == 1
+    [entry] = await entries(client, memory["id"])
+    return entry["source_conversation_id"]
+
+
 async def test_a_turn_stamped_by_a_clock_running_ahead_is_not_newer_than_a_forgetting_made_meanwhile(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
     sessions: async_sessionmaker[AsyncSession], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = llm.script("extract-ahead", json.dumps(["The user collects stamps."]))
-    ahead = turn_event(memory, model, "gen_ahead", "I collect stamps.").model_copy(
-        update={"conversation_id": "conv_ahead", "occurred_at": utcnow() + timedelta(hours=1)}
-    )
+    ahead = from_a_clock_ahead(turn_event(memory, model, "gen_ahead", "I collect stamps."), "conv_ahead")
     ask_model = Extractor._complete
 
     async def forgotten_while_the_model_answers(self: Extractor, *args: Any) -> Any:
@@ -252,11 +267,7 @@ async def test_a_turn_stamped_by_a_clock_running_ahead_is_not_newer_than_a_forge
         return await ask_model(self, *args)
 
     monkeypatch.setattr(Extractor, "_complete", forgotten_while_the_model_answers)
-    async with direct_gateway(settings, sessions) as gateway:
-        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(ahead)
-    assert result.status == "completed" and result.summary.created == 1
-    [entry] = await entries(client, memory["id"])
-    assert entry["source_conversation_id"] is None
+    assert await cited_by_its_fact(settings, sessions, client, memory, ahead) is None
 
 
 async def test_a_redelivered_turn_keeps_the_time_it_reached_the_bus(
@@ -267,16 +278,9 @@ async def test_a_redelivered_turn_keeps_the_time_it_reached_the_bus(
     # its time is when it reached the bus, the same on every delivery, not this delivery's.
     model = llm.script("extract-redelivered-ahead", json.dumps(["The user keeps bees."]))
     reached_bus = utcnow()
-    turn = turn_event(memory, model, "gen_again", "I keep bees.").model_copy(
-        update={"conversation_id": "conv_again", "occurred_at": utcnow() + timedelta(hours=1)}
-    )
+    again = from_a_clock_ahead(turn_event(memory, model, "gen_again", "I keep bees."), "conv_again")
     await client.delete("/conversations/conv_again/provenance", params={"project_id": memory["project_id"]})
-    async with direct_gateway(settings, sessions) as gateway:
-        extractor = Extractor(sessions, gateway, llm_timeout=5, write_timeout=15)
-        result = await extractor.extract(turn, arrived_at=reached_bus)
-    assert result.status == "completed" and result.summary.created == 1
-    [entry] = await entries(client, memory["id"])
-    assert entry["source_conversation_id"] is None
+    assert await cited_by_its_fact(settings, sessions, client, memory, again, arrived_at=reached_bus) is None
 
 
 async def test_a_rate_limited_model_is_asked_again_after_a_pause(
