@@ -126,12 +126,23 @@ async def _replay_one(js: JetStreamContext, letter: DeadLetter) -> Replayed:
     stream = stream_of(letter.origin_subject)
     if stream is None:
         return Replayed(letter.sequence, letter.origin_subject, None, "no stream takes the original subject")
+    subject = await _current_subject(js, letter.origin_subject)
     await js.publish(
-        letter.origin_subject,
+        subject,
         letter.body.encode(),
         stream=stream,
         headers={"Nats-Msg-Id": f"{REPLAY_MSG_ID_PREFIX}.{letter.sequence}"},
     )
     # Deleted only after the stream acknowledged the publish: a crash in between replays twice, harmlessly.
     await js.delete_msg(bus.DEAD_LETTER_STREAM, letter.sequence)
-    return Replayed(letter.sequence, letter.origin_subject, stream)
+    return Replayed(letter.sequence, subject, stream)
+
+
+async def _current_subject(js: JetStreamContext, subject: str) -> str:
+    """A write's subject for the partition count the bus is laid out for now: dead-lettered before the count
+    changed, it would go back to a partition that no longer has a writer."""
+    root, _, rest = subject.partition(f"{bus.WRITE_SUBJECT_ROOT}.")
+    if root or "." not in rest:
+        return subject  # not a write
+    partitions = await bus.recorded_partitions(js)
+    return bus.write_subject(rest.split(".", 1)[1], partitions) if partitions else subject

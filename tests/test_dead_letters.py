@@ -159,6 +159,21 @@ async def test_replaying_a_dead_lettered_valid_write_applies_it_once(
     assert await dead_letters.list_dead_letters(dlq_bus.js) == []
 
 
+async def test_a_write_dead_lettered_before_the_partition_count_changed_is_replayed_to_its_partition_now(
+    dlq_bus: Bus, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=dlq_bus.project_id, memory_id=dlq_bus.memory_id,
+        content="Parcels are collected at noon",
+    )
+    old_subject = f"{bus.WRITE_SUBJECT_ROOT}.{dlq_bus.settings.memories_partitions + 20}.{dlq_bus.memory_id}"
+    await bus.dead_letter(dlq_bus.js, "writer", old_subject, event.model_dump_json().encode(), reason="gave up")
+    (letter,) = await wait_for_letters(dlq_bus.js, 1)
+    (replayed,) = await dead_letters.replay(dlq_bus.js, [letter.sequence])
+    assert replayed.ok and replayed.subject == dlq_bus.write_subject()
+    await wait_applied(sessions, event.write_id)
+
+
 async def test_replay_all_of_one_origin_and_letters_that_cannot_be_replayed(dlq_bus: Bus) -> None:
     extractor_subject = bus.generation_completed_subject(dlq_bus.project_id)
     await bus.dead_letter(dlq_bus.js, "extractor", extractor_subject, b"{}", reason="invalid event")
