@@ -45,6 +45,12 @@ class Bus:
     def write_subject(self) -> str:
         return bus.write_subject(self.memory_id, self.settings.memories_partitions)
 
+    def write(self, content: str) -> MemoryWriteRequested:
+        """A new write of `content` to this bus's memory."""
+        return MemoryWriteRequested(
+            event_id=new_write_id(), project_id=self.project_id, memory_id=self.memory_id, content=content
+        )
+
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "NATS_URL": self.settings.nats_url or ""}
         return subprocess.run([sys.executable, "-m", "services.cli", "dlq", *args], env=env, capture_output=True,
@@ -131,10 +137,7 @@ async def test_a_poison_write_is_dead_lettered_listed_and_replayed(dlq_bus: Bus)
 async def test_replaying_a_dead_lettered_valid_write_applies_it_once(
     dlq_bus: Bus, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    event = MemoryWriteRequested(
-        event_id=new_write_id(), project_id=dlq_bus.project_id, memory_id=dlq_bus.memory_id,
-        content="The warehouse closes at six on Fridays",
-    )
+    event = dlq_bus.write("The warehouse closes at six on Fridays")
     body = event.model_dump_json().encode()
     # As the writer parks a write that kept failing (e.g. the database was down for every delivery).
     for _ in range(2):
@@ -162,10 +165,7 @@ async def test_replaying_a_dead_lettered_valid_write_applies_it_once(
 async def test_a_write_dead_lettered_before_the_partition_count_changed_is_replayed_to_its_partition_now(
     dlq_bus: Bus, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    event = MemoryWriteRequested(
-        event_id=new_write_id(), project_id=dlq_bus.project_id, memory_id=dlq_bus.memory_id,
-        content="Parcels are collected at noon",
-    )
+    event = dlq_bus.write("Parcels are collected at noon")
     old_subject = f"{bus.WRITE_SUBJECT_ROOT}.{dlq_bus.settings.memories_partitions + 20}.{dlq_bus.memory_id}"
     await bus.dead_letter(dlq_bus.js, "writer", old_subject, event.model_dump_json().encode(), reason="gave up")
     (letter,) = await wait_for_letters(dlq_bus.js, 1)
@@ -218,8 +218,7 @@ async def test_a_write_the_database_keeps_refusing_ends_failed_not_pending(
             f"WHEN (NEW.memory_id = '{dlq_bus.memory_id}') EXECUTE FUNCTION refuse_entry()"))
     failures = _failures()
     try:
-        event = MemoryWriteRequested(event_id=new_write_id(), project_id=dlq_bus.project_id,
-                                     memory_id=dlq_bus.memory_id, content="The dock opens at five")
+        event = dlq_bus.write("The dock opens at five")
         await dlq_bus.js.publish(dlq_bus.write_subject(), event.model_dump_json().encode(), stream=bus.WRITES_STREAM)
         (letter,) = await wait_for_letters(dlq_bus.js, 1)
         assert "gave up after 3" in letter.reason
