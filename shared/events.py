@@ -67,10 +67,18 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def refuse_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
 Text = Annotated[str, AfterValidator(refuse_nul)]
 StoredContent = Annotated[
     str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)
 ]
+WrittenContent = Annotated[StoredContent, AfterValidator(refuse_blank)]
+"""What a client or a model may write as an entry's content (the bus event takes any StoredContent)."""
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
 Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]

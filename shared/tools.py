@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from shared.agents import AgentSpec, write_memory_event
-from shared.events import CONTENT_MAX_CHARS, StoredContent
+from shared.events import CONTENT_MAX_CHARS, WrittenContent
 from shared.write_gateway import BusUnavailable, WriteGateway
 
 WRITE_MEMORY_TOOL: dict[str, Any] = {
@@ -35,16 +35,14 @@ WRITE_MEMORY_TOOL: dict[str, Any] = {
 }
 
 
-_CONTENT = TypeAdapter(StoredContent)
+_CONTENT = TypeAdapter(WrittenContent)
 
 
 def content_problem(content: Any) -> str | None:
     """What is wrong with a model's `content` argument, told back to the model as the tool's `{error}`; None
-    when it can be written."""
+    when it can be written (the rules of every other write: `events.WrittenContent`)."""
     if content is None:
         return "content is required: the fact to remember, as one sentence"
-    if isinstance(content, str) and not content.strip():
-        return "content must not be blank"
     try:
         _CONTENT.validate_python(content, strict=True)
     except ValidationError as exc:

@@ -561,7 +561,7 @@ async def test_forgetting_what_no_entry_can_hold_is_a_no_op_not_an_error(
 
 @pytest.mark.parametrize(
     ("content", "told"),
-    [("", "blank"), ("   ", "blank"), ("x" * 8_001, "at most 8000"), (123, "string"), (None, "required"),
+    [("", "at least 1 character"), ("   ", "blank"), ("x" * 8_001, "at most 8000"), (123, "string"), (None, "required"),
      ("a\u0000b", "NUL"), (["a fact"], "string")],
 )
 async def test_a_wrong_content_argument_is_told_to_the_model_not_refused_to_the_platform(

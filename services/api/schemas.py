@@ -23,18 +23,12 @@ from shared.events import (
     EntryState,
     Metadata,
     SourceType,
-    StoredContent,
     Tags,
     WriteAction,
     WritePolicy,
+    WrittenContent,
     refuse_nul,
 )
-
-
-def _not_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must not be blank")
-    return value
 
 
 def _utc(value: datetime | None) -> str | None:
@@ -45,7 +39,6 @@ Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
 OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=255, strip_whitespace=True), AfterValidator(refuse_nul)]
 Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(refuse_nul)]
-Content = Annotated[StoredContent, AfterValidator(_not_blank)]
 # Numbers must be JSON numbers: "0.5" or true is a client bug to report, not to guess at.
 Threshold = Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
@@ -135,7 +128,7 @@ class MemoryOut(BaseModel):
 
 class EntryCreate(Strict):
     memory_id: str
-    content: Content
+    content: WrittenContent
     source_type: SourceType = SourceType.MANUAL
     tags: Tags | None = None
     metadata: Metadata = None
@@ -144,7 +137,7 @@ class EntryCreate(Strict):
 
 
 class EntryUpdate(Strict):
-    content: Content | None = None
+    content: WrittenContent | None = None
     tags: Tags | None = None
     metadata: Metadata = None
 

@@ -22,11 +22,11 @@ from services.api.deps import (
 from services.api.errors import ApiError, invalid
 from services.api.routes.entries import WRITE_RESPONSES, load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
-from services.api.schemas import Content, Metadata, Strict, Tags, Timestamp
+from services.api.schemas import Metadata, Strict, Tags, Timestamp
 from shared import registry
 from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
-from shared.events import CONTENT_MAX_CHARS, SourceType, Text
+from shared.events import CONTENT_MAX_CHARS, SourceType, Text, WrittenContent
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
@@ -106,7 +106,7 @@ class OrchestrationWrite(Strict):
     # The rules of every other write apply to the text as it will be stored: after encoding, after flattening.
     # The published schema shows what a client may send, not the text it becomes.
     content: Annotated[
-        Content | None,
+        WrittenContent | None,
         BeforeValidator(encode_content, json_schema_input_type=Any),
         Field(description="the mapped input; a non-string is stored JSON-encoded"),
     ]
