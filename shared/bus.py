@@ -13,6 +13,7 @@ import logging
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Literal
 
 import nats
 import nats.errors
@@ -246,7 +247,8 @@ class ConsumerState:
     pending: int  # not yet delivered
     in_flight: int  # delivered, not acknowledged
     redelivered: int
-    role: str  # "layout"; "stale": a writer partition beyond the count; "other": not the service's (an integrator's)
+    role: Literal["layout", "stale", "other"]
+    """stale: a writer partition beyond the count; other: not the service's (an integrator's, say)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,7 @@ class WriteHandler:
         with its own deliveries, a memory's writes would come back out of order (a later fact decided first).
         What was decided before the outage stands; the writes it stopped are decided again, in order."""
         pause = self._backoff
-        results = [batch.failure] * len(batch.events) if batch.failure is not None else list(await self._decide(batch))
+        results = await self._decide(batch)
         while not self._stop.is_set():
             stopped = [i for i, result in enumerate(results) if isinstance(result, Exception) and bus.is_outage(result)]
             if not stopped:
@@ -102,7 +102,7 @@ class WriteHandler:
             pause = min(pause * 2, 30.0)
             if batch.failure is not None:  # nothing was prepared, so nothing decided: prepare it all again
                 batch = await self.prepare([message for message, _ in batch.events])
-                results = [batch.failure] * len(batch.events) if batch.failure is not None else list(await self._decide(batch))
+                results = await self._decide(batch)
                 continue
             again = PreparedBatch([batch.events[i] for i in stopped], [batch.prepared[i] for i in stopped])
             for i, result in zip(stopped, await self._decide(again), strict=True):
@@ -113,9 +113,12 @@ class WriteHandler:
         """The writer stops: an outage is no longer waited out, its writes are handed back (redelivered)."""
         self._stop.set()
 
-    async def _decide(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
+    async def _decide(self, batch: PreparedBatch) -> list[AppliedWrite | Exception]:
+        """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps)."""
+        if batch.failure is not None:
+            return [batch.failure] * len(batch.events)
         try:
-            return await self.decide(batch.prepared)
+            return list(await self.decide(batch.prepared))
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             return [exc] * len(batch.events)
 
