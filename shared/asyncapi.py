@@ -138,7 +138,9 @@ def asyncapi_document(version: str) -> dict[str, Any]:
             "title": "Memories bus",
             "version": version,
             "description": "NATS JetStream subjects of the memory service. Payloads are JSON; every event "
-            "carries event_id, version and occurred_at; fields are only ever added.",
+            "carries event_id, version and occurred_at; fields are only ever added. A write event "
+            "(MemoryWriteRequested) leaves its unset optional fields out, so a field added to it reaches readers "
+            "of an older version only when it is used. Times without a zone are read as UTC.",
         },
         "defaultContentType": "application/json",
         "channels": channels,
