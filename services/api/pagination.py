@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Query
+
+from services.api.schemas import Page
 
 
 @dataclass(frozen=True)
@@ -22,3 +24,11 @@ async def paging(  # async: a plain def dependency runs in the thread pool
 
 
 PagingDep = Annotated[Paging, Depends(paging)]
+Item = TypeVar("Item")
+
+
+def page_of(items: list[Item], paging: Paging) -> Page[Item]:
+    """A page of a list read whole (a project's providers, routes, usage groups: a handful); larger lists are
+    paged in SQL (`repository._page`)."""
+    chosen = items[paging.offset : paging.offset + paging.limit]
+    return Page(data=chosen, total=len(items), limit=paging.limit, offset=paging.offset)

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, Field, field_serializer
 
 from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
-from services.api.pagination import Paging, PagingDep
+from services.api.pagination import PagingDep, page_of
 from services.api.schemas import Name, Page, Strict, Timestamp
 from shared import registry
 from shared.agents import KeyVariable, ProviderAddress, redact_address
 from shared.events import Text
 
 router = APIRouter(tags=["model registry"])
-
-Item = TypeVar("Item")
 
 ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
 
@@ -77,19 +75,13 @@ async def create_provider(body: ProviderCreate, session: SessionDep, admin: Admi
     return ProviderOut.model_validate(provider, from_attributes=True)
 
 
-def _page(items: list[Item], paging: Paging) -> Page[Item]:
-    """A page of a list the registry reads whole (a project's providers, routes, usage groups: a handful)."""
-    chosen = items[paging.offset : paging.offset + paging.limit]
-    return Page(data=chosen, total=len(items), limit=paging.limit, offset=paging.offset)
-
-
 @router.get("/ai-providers", summary="A project's AI providers")
 async def list_providers(
     session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
 ) -> Page[ProviderOut]:
     project = await resolve_project(session, admin, project_id)
     rows = await registry.list_providers(session, project)
-    return _page([ProviderOut.model_validate(p, from_attributes=True) for p in rows], paging)
+    return page_of([ProviderOut.model_validate(p, from_attributes=True) for p in rows], paging)
 
 
 @router.delete("/ai-providers/{provider_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a provider")
@@ -126,7 +118,7 @@ async def list_routes(
 ) -> Page[RouteOut]:
     project = await resolve_project(session, admin, project_id)
     rows = await registry.list_routes(session, project)
-    return _page([RouteOut.model_validate(r, from_attributes=True) for r in rows], paging)
+    return page_of([RouteOut.model_validate(r, from_attributes=True) for r in rows], paging)
 
 
 @router.delete("/model-routes/{route_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Remove a route")
@@ -154,4 +146,4 @@ async def usage(
     session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
 ) -> Page[dict[str, Any]]:
     project = await resolve_project(session, admin, project_id)
-    return _page(await registry.usage_summary(session, project), paging)
+    return page_of(await registry.usage_summary(session, project), paging)
