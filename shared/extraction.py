@@ -26,6 +26,7 @@ from shared.events import (
     CONTENT_MAX_CHARS,
     ExtractionSummary,
     GenerationCompleted,
+    MemoryWriteOutcome,
     MemoryWriteRequested,
     SourceType,
     WriteAction,
@@ -266,9 +267,15 @@ class Extractor:
         ]
         # One memory, so the writer decides them one at a time anyway; submitting together saves round trips.
         outcomes = await asyncio.gather(*(self._gateway.submit(w, timeout=self._write_timeout) for w in writes))
-        if any(outcome is None for outcome in outcomes):
-            # Still queued: a redelivery of this turn finds the decided ones by their ids and waits for the rest.
-            raise WritesPending(f"{outcomes.count(None)} of {len(writes)} writes not decided in time")
+        queued = outcomes.count(None)
+        refused = sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome))
+        if queued or refused:
+            # A redelivery of this turn finds the decided writes by their ids, waits for the queued ones and
+            # submits the refused ones again; counted as failed, a fact refused while the embedder was down
+            # would be lost for good.
+            raise WritesPending(
+                f"{queued} of {len(writes)} writes not decided in time, {refused} refused while a dependency was down"
+            )
         counts = {"created": 0, "updated": 0, "skipped": 0, "failed": 0}
         for outcome in outcomes:
             assert outcome is not None
@@ -291,4 +298,9 @@ class Extractor:
 
 
 class WritesPending(Exception):
-    """Some candidate writes were not decided in time; the event is retried."""
+    """Some candidate writes were not decided in time, or were refused for now (503); the event is retried."""
+
+
+def _refused_for_now(outcome: MemoryWriteOutcome) -> bool:
+    """The writer could not decide the write because a dependency (the embedder) was down: retrying may succeed."""
+    return outcome.error is not None and outcome.error.status == 503
