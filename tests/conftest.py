@@ -28,8 +28,11 @@ from services.extractor.main import ExtractorService
 from services.writer.main import Writer
 from shared.db.migrate import upgrade
 from shared.db.session import create_engine, session_factory
+from shared.embeddings import EmbeddingError
+from shared.events import MemoryWriteOutcome, MemoryWriteRequested
 from shared.servers import LOOPBACK, EmbeddedNats, EmbeddedPostgres
 from shared.settings import Settings
+from shared.writes import WriteApplier
 
 ADMIN_TOKEN = "test-admin-token"
 PARTITIONS = 4
@@ -76,6 +79,20 @@ async def wait_until_blocked_by(session: AsyncSession, what: str) -> None:
         "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid), left(query, 80) FROM pg_stat_activity"
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"))).all()
     raise AssertionError(f"{what} never waited for this transaction's lock; other backends: {activity}")
+
+
+class WriterWithoutEmbedder:
+    """Stands where the write gateway stands, and decides each write as a writer does while its embedder is
+    down: the write stored as failed, its outcome a 503."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        async def embedder_down(_texts: list[str]) -> list[list[float]]:
+            raise EmbeddingError("remote-embedder", "503 Service Unavailable: provider down")
+
+        self._applier = WriteApplier(sessions, embedder_down, "remote-embedder")
+
+    async def submit(self, event: MemoryWriteRequested, **_options: Any) -> MemoryWriteOutcome:
+        return (await self._applier.apply(event)).outcome
 
 
 def make_settings(server_urls: tuple[str, str], **overrides: Any) -> Settings:

@@ -16,20 +16,12 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, registry
-from shared.embeddings import EmbeddingError
-from shared.events import (
-    GenerationAgent,
-    GenerationCompleted,
-    MemoryWriteOutcome,
-    MemoryWriteRequested,
-    utcnow,
-)
+from shared.events import GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import Extractor, WritesPending
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
-from shared.writes import WriteApplier
-from tests.conftest import open_api
+from tests.conftest import WriterWithoutEmbedder, open_api
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
 
@@ -234,20 +226,8 @@ async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_tur
     model = llm.script("extract-embedder-down", json.dumps(FACTS[:2]))
     event = turn_event(memory, model, "gen_embedder_down")
 
-    async def embedder_down(_texts: Any) -> list[list[float]]:
-        raise EmbeddingError("remote-embedder", "503 Service Unavailable")
-
-    class WriterWithoutEmbedder:
-        """Decides each write as a writer does while its embedder is down: stored as failed, answered 503."""
-
-        def __init__(self) -> None:
-            self.applier = WriteApplier(sessions, embedder_down, "remote-embedder")
-
-        async def submit(self, write: MemoryWriteRequested, **_options: Any) -> MemoryWriteOutcome:
-            return (await self.applier.apply(write)).outcome
-
     with pytest.raises(WritesPending, match="2 refused"):  # not a completed turn with two failed facts
-        await Extractor(sessions, WriterWithoutEmbedder(), llm_timeout=5, write_timeout=15).extract(event)  # type: ignore[arg-type]
+        await Extractor(sessions, WriterWithoutEmbedder(sessions), llm_timeout=5, write_timeout=15).extract(event)  # type: ignore[arg-type]
     async with direct_gateway(settings, sessions) as gateway:
         result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
     assert result.status == "completed"

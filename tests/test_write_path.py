@@ -28,7 +28,7 @@ from shared.servers import LOOPBACK, free_port
 from shared.settings import WRITE_TIMEOUT_MAX_S, Settings
 from shared.write_gateway import PUBLISH_TIMEOUT_S, WriteGateway, request_hash
 from shared.writes import WriteApplier
-from tests.conftest import open_client, wait_until_blocked_by
+from tests.conftest import WriterWithoutEmbedder, open_api, open_client, wait_until_blocked_by
 
 
 async def count_entries(sessions: async_sessionmaker[AsyncSession], memory_id: str) -> int:
@@ -235,6 +235,20 @@ async def test_a_failing_embedder_fails_the_write_and_writes_nothing(
     async with sessions() as session:
         stored = await session.get(WriteOutcome, event.write_id)
     assert stored is not None and stored.status == "failed" and stored.failed_attempts == 1
+
+
+async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async with open_api(settings) as (app, api):
+        app.state.gateway = WriterWithoutEmbedder(sessions)
+        response = await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Unembeddable now"})
+        assert response.status_code == 503
+        error = response.json()["error"]
+        # The contract's code, whatever the writer calls it; the write can be looked up by its id.
+        assert error["code"] == "SERVICE_UNAVAILABLE" and "provider down" in error["message"]
+        status = (await api.get(f"/memory-writes/{error['meta']['write_id']}")).json()
+    assert status["status"] == "failed" and status["error"]["code"] == "EMBEDDING_UNAVAILABLE"
 
 
 async def test_a_write_to_a_deleted_memory_fails_cleanly(

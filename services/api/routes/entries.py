@@ -128,7 +128,9 @@ async def submit_write(
 
 async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
     if outcome.error is not None:
-        return envelope(outcome.error.status, outcome.error.message, code=outcome.error.code)
+        # The contract's code for the status (the writer's own code, e.g. EMBEDDING_UNAVAILABLE, is in the
+        # write's status); the write id lets a client look the write up.
+        return envelope(outcome.error.status, outcome.error.message, meta={"write_id": outcome.write_id})
     # The writer's reply carries the entry as of its commit; an outcome read back from storage does not.
     entry = outcome.entry
     if entry is None and outcome.entry_id:
