@@ -33,7 +33,7 @@ from shared.events import (
     utcnow,
 )
 from shared.ids import WRITE_PREFIX
-from shared.llm import Completion, LlmError, RateLimited, complete
+from shared.llm import Completion, LlmError, RateLimited, complete, storable
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway
@@ -124,7 +124,7 @@ def parse_candidates(text: str) -> list[str]:
     for item in items:
         content = item.get("content") if isinstance(item, dict) else item
         if isinstance(content, str):
-            content = content.replace("\x00", "").strip()  # a model's NUL could never be stored
+            content = storable(content).strip()
             # An over-long "fact" is a paragraph, not an atomic fact: dropped, not cut mid-sentence (a cut can
             # change what it says).
             if content and len(content) <= CONTENT_MAX_CHARS:

@@ -131,6 +131,16 @@ async def complete(
     )
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """A model's text as PostgreSQL can store it: NULs dropped, and lone surrogates (which a JSON escape such
+    as `\\ud800` can produce, and no UTF-8 text can hold) replaced by U+FFFD. Refused at storage, either would
+    fail the write, or the turn, on every retry."""
+    return _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
+
+
 class ModelSteps:
     """The merge and arbitration callables for one write, bound to the model of its agent context."""
 
@@ -147,8 +157,7 @@ class ModelSteps:
         completion = await self._ask(messages, Purpose.MERGE)
         if completion is None:
             return None
-        # A model's NUL could never be stored.
-        return completion.text.replace("\x00", "").strip().strip('"').strip() or None
+        return storable(completion.text).strip().strip('"').strip() or None
 
     async def arbitrate(self, incoming: str, shortlist: list[Candidate]) -> Arbitration | None:
         listing = "\n".join(f"[{i}] {candidate.content}" for i, candidate in enumerate(shortlist, start=1))
@@ -189,4 +198,4 @@ def parse_arbitration(text: str, shortlist: list[Candidate]) -> Arbitration | No
         if target is None:
             return None  # a target outside the shortlist is never trusted
     content = answer.get("content")
-    return Arbitration(operation, target, content.replace("\x00", "") if isinstance(content, str) else None)
+    return Arbitration(operation, target, storable(content) if isinstance(content, str) else None)

@@ -167,14 +167,15 @@ async def test_a_merge_embeds_each_text_once(
     assert cosine(stored.to_list(), (await _local_embed([MERGED]))[0]) > 0.999
 
 
-async def test_a_merge_reply_with_nul_is_stored_without_it(
-    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+@pytest.mark.parametrize(("character", "stored_as"), [("\x00", ""), ("\ud800", "\ufffd")], ids=["nul", "lone-surrogate"])
+async def test_a_merge_reply_with_a_character_no_text_column_holds_is_stored_without_it(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, character: str, stored_as: str
 ) -> None:
-    model = llm.script("merge-nul", MERGED[:10] + "\x00" + MERGED[10:])
+    model = llm.script(f"merge-{stored_as.encode().hex()}", MERGED[:10] + character + MERGED[10:])
     first = await tool_write(client, memory, EMAIL, model)
     merged = await tool_write(client, memory, EMAIL_DETAIL, model)
     assert merged == {"action": "updated", "entry_id": first["entry_id"]}
-    assert (await get_entry(client, first["entry_id"]))["content"] == MERGED
+    assert (await get_entry(client, first["entry_id"]))["content"] == MERGED[:10] + stored_as + MERGED[10:]
 
 
 @pytest.mark.parametrize(

@@ -351,6 +351,18 @@ async def test_failover_to_the_second_route_target_and_usage(
     assert (await client.delete(f"/ai-providers/{provider['id']}")).status_code == 204
 
 
+async def test_a_fact_with_a_broken_character_is_written_not_retried_for_ever(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # A lone surrogate escaped in the model's JSON: valid JSON, but no UTF-8 text can hold it.
+    model = llm.script("extract-surrogate", '["The user lives in Porto \\ud800"]')
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_surrogate"))
+    outcome = await finished(client, memory, "gen_surrogate")
+    assert outcome["status"] == "completed" and outcome["summary"]["created"] == 1
+    assert [e["content"] for e in await entries(client, memory["id"])] == ["The user lives in Porto \ufffd"]
+    assert len(llm.calls_to("extract-surrogate")) == 1
+
+
 async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
     sessions: async_sessionmaker[AsyncSession],
