@@ -397,6 +397,36 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     assert len(llm.calls_to("extract-poison")) == calls
 
 
+async def test_a_turn_that_fails_unexpectedly_is_dead_lettered_not_retried_for_ever(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts = 0
+    extract = Extractor.extract
+
+    async def buggy(self: Extractor, event: GenerationCompleted, **options: Any) -> Any:
+        nonlocal attempts
+        if event.generation_id != "gen_bug":
+            return await extract(self, event, **options)
+        attempts += 1
+        raise KeyError("a bug this turn meets on every delivery")
+
+    monkeypatch.setattr(Extractor, "extract", buggy)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        dead = await nc.jetstream().subscribe(
+            f"{bus.DEAD_LETTER_ROOT}.extractor", stream=bus.DEAD_LETTER_STREAM,
+            deliver_policy=nats.js.api.DeliverPolicy.NEW,
+        )
+        await client.post("/generations/completed", json=turn_body(memory, "scripted/unused", "gen_bug"))
+        letter = json.loads((await dead.next_msg(timeout=30)).data)
+    finally:
+        await nc.close()
+    assert "failed unexpectedly (KeyError)" in letter["reason"]
+    assert attempts == settings.memories_max_deliver
+    outcome = await finished(client, memory, "gen_bug")
+    assert outcome["status"] == "failed" and outcome["reason"] == "the extraction failed unexpectedly (KeyError)"
+
+
 async def test_a_provider_failure_is_recorded_without_its_traceback(
     client: httpx.AsyncClient, memory: dict[str, Any]
 ) -> None:

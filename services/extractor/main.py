@@ -24,7 +24,7 @@ from shared.ids import new_id
 from shared.llm import LlmError
 from shared.logs import log_context
 from shared.settings import Settings
-from shared.write_gateway import WriteGateway
+from shared.write_gateway import BusUnavailable, WriteGateway
 
 log = logging.getLogger("memories.extractor")
 
@@ -81,9 +81,15 @@ class ExtractorService(ConsumerProcess):
         except (LlmError, WritesPending) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return
-        except Exception:
+        except Exception as exc:
+            if bus.is_outage(exc) or isinstance(exc, BusUnavailable):  # waited out, however long it lasts
+                log.warning("extraction waits for the database or the bus: %s", exc)
+                await message.nack(delay=2.0)
+                return
+            # Anything else would fail the same way on every delivery: retried as a model failure is, then
+            # dead-lettered, not retried for ever (asking the model again each time).
             log.exception("extraction failed")
-            await message.nack(delay=2.0)
+            await self._retry_or_give_up(message, event, f"the extraction failed unexpectedly ({type(exc).__name__})")
             return
         finally:
             heartbeat.cancel()
