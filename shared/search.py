@@ -25,7 +25,10 @@ from sqlalchemy import (
     ColumnElement,
     Executable,
     Select,
+    Text,
     and_,
+    any_,
+    bindparam,
     false,
     func,
     literal_column,
@@ -33,6 +36,7 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.ext.compiler import compiles
 
@@ -180,7 +184,9 @@ async def entry_condition(
     memory_ids = await _matching_memory_ids(session, project_id, filters)
     scope: list[ColumnElement[bool]] = []
     if memory_ids:
-        scope.append(MemoryEntry.memory_id.in_(memory_ids))
+        # One array parameter, however many memories a tag matches (one per end user is the seed's layout): as
+        # a list, past 65,535 ids the statement could not be sent. The planner estimates it the same way.
+        scope.append(MemoryEntry.memory_id == any_(bindparam("scope_memory_ids", memory_ids, type_=ARRAY(Text))))
     if filters.tag_patterns:
         scope.append(_own_tags_match(filters.tag_patterns))
     if not scope:

@@ -270,3 +270,27 @@ async def test_an_embedding_failure_is_503(server_urls: tuple[str, str], project
             "/knowledge/search", json={"project_id": project["id"], "memory_tags": ["*"]}
         )
         assert listed.status_code == 200
+
+
+async def test_a_tag_matching_more_memories_than_a_statement_has_parameters_is_searched(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # One memory per end user, as the seed lays it out: 70,000 of them match `user:*`, more than the 65,535
+    # parameters a PostgreSQL statement may carry.
+    async with sessions.begin() as session:
+        await session.execute(
+            text(
+                "INSERT INTO memories (id, project_id, name, tags)"
+                " SELECT 'mem_u' || lpad(n::text, 12, '0'), :project, 'user ' || n, ARRAY['user:' || n]"
+                " FROM generate_series(1, 70000) AS n"
+            ),
+            {"project": project["id"]},
+        )
+    one_user = await new_memory(client, project["id"], "user 70001", ["user:70001"])
+    await write(client, one_user, "The user's favourite colour is green")
+    try:
+        for body in ({"memory_tags": ["user:*"]}, {"memory_tags": ["user:*"], "query": "favourite colour"}):
+            assert [hit["memory_id"] for hit in await search(client, project["id"], **body)] == [one_user]
+    finally:
+        async with sessions.begin() as session:  # the other tests share this database
+            await session.execute(text("DELETE FROM memories WHERE project_id = :project"), {"project": project["id"]})
