@@ -28,3 +28,24 @@ def test_the_migrated_schema_matches_the_models(settings: Settings) -> None:
     finally:
         engine.dispose()
     assert differences == []
+
+
+def test_references_to_an_entry_are_followed_through_an_index(settings: Settings) -> None:
+    # The statements that follow a reference back: the foreign key's, when an entry is deleted, and an entry's
+    # history. Seq scans are priced out, so a plan without an index scan means no index can serve them.
+    statements = {
+        "ix_entries_superseded_by": "UPDATE memory_entries SET superseded_by_entry_id = NULL"
+        " WHERE superseded_by_entry_id = 'mem_entry_aaaaaaaaaaaaaaaa'",
+        "ix_history_related_entry": "SELECT id FROM entry_history"
+        " WHERE entry_id = 'mem_entry_aaaaaaaaaaaaaaaa' OR related_entry_id = 'mem_entry_aaaaaaaaaaaaaaaa'",
+    }
+    assert settings.database_url
+    engine = sa.create_engine(settings.database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(sa.text("SET LOCAL enable_seqscan = off"))
+            for index, statement in statements.items():
+                plan = "\n".join(connection.scalars(sa.text("EXPLAIN " + statement)))
+                assert index in plan, plan
+    finally:
+        engine.dispose()
