@@ -23,13 +23,14 @@ from pydantic import BaseModel
 from shared.client import (
     UNSET,
     AsyncMemoriesClient,
+    InvalidRequest,
     MemoriesClient,
     MemoriesError,
     Page,
     SourceType,
     WritePolicy,
 )
-from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines
+from shared.client.bulk import ImportSummary, ProgressBar, import_lines, parse_lines, strict_json
 from shared.settings import get_settings
 
 Command = Callable[[MemoriesClient, argparse.Namespace], Any]
@@ -64,9 +65,11 @@ PROJECT_COLUMNS: list[Column] = [("ID", lambda p: p["id"]), ("NAME", lambda p: p
 
 def _json_value(text: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+    except ValueError as exc:  # NaN, a number of 5,000 digits, nesting past Python's stack
+        raise argparse.ArgumentTypeError(f"not usable JSON: {exc}") from None
 
 
 def json_array(text: str) -> list[str] | None:
@@ -306,10 +309,11 @@ def connection(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def report(error: MemoriesError) -> int:
+    """Exit 2 for a request that could not be sent as given (a bad argument), 1 for a failed call."""
     print(f"error: {error.code}: {error.message}", file=sys.stderr)
     if error.meta:
         print(json.dumps(error.meta, ensure_ascii=False), file=sys.stderr)
-    return 1
+    return 2 if isinstance(error, InvalidRequest) else 1
 
 
 def _quiet_http_logs() -> None:
@@ -340,7 +344,7 @@ def run_import(args: argparse.Namespace) -> int:
         print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
     summary = ImportSummary()
-    lines = parse_lines(text, file_digest(data), summary)
+    lines = parse_lines(text, summary)
     bar = ProgressBar()
     url, token = connection(args)
 
@@ -357,8 +361,10 @@ def run_import(args: argparse.Namespace) -> int:
         )
         return 130
     bar.update(summary, final=True)
-    for number, reason in summary.failures:
+    for number, reason in summary.listed_failures:
         print(f"line {number}: {reason}", file=sys.stderr)
+    if summary.unlisted_failures:
+        print(f"… and {summary.unlisted_failures} more failed lines, not listed", file=sys.stderr)
     print(json.dumps(summary.as_json(), indent=2) if args.json else summary.describe())
     return 1 if summary.counts["failed"] else 0
 

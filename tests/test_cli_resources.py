@@ -14,6 +14,7 @@ import pytest
 
 from services.cli import main
 from services.cli_resources import display_width, print_table
+from shared.client import MemoriesClient
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings, get_settings
 from tests.conftest import ADMIN_TOKEN
@@ -118,8 +119,8 @@ async def test_memory_verbs(cli: Cli, project_id: str) -> None:
     assert (await cli.json("update-memory", guarded["id"], "--write-policy", "seed"))["write_policy"] == "seed"
     code, out, _ = await cli("delete-memory", created["id"])
     assert code == 0 and out.strip() == f"deleted {created['id']}"
-    code, _, err = await cli("delete-memory", "")  # the server redirects "/memories/": not a deletion
-    assert code == 1 and "307" in err
+    code, _, err = await cli("delete-memory", "")  # "/memories/" would be the list: not a deletion
+    assert code == 2 and "an id must not be empty" in err
     code, out, err = await cli("get-memory", created["id"])
     assert (code, out) == (1, "") and err.startswith("error: RESOURCE_NOT_FOUND: memory")
 
@@ -232,6 +233,13 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
         assert code == 2 and "finite number" in err, err
     code, _, err = await cli("import", "/no/such/file.jsonl")
     assert code == 2 and "cannot read" in err
+    code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--metadata", '{"a": NaN}')
+    assert code == 2 and "NaN is not a JSON number" in err
+    # Refused by the client before anything is sent: a header value that is not ASCII, an empty id.
+    code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--idempotency-key", "ключ")
+    assert code == 2 and "INVALID_REQUEST" in err
+    code, _, err = await cli("get-memory", "")
+    assert code == 2 and "INVALID_REQUEST" in err
     assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
 
 
@@ -274,6 +282,72 @@ async def test_import_twice_writes_nothing_twice(
     ]
     assert entries[0]["tags"] == ["channel"]
     assert (await cli.json("list-memory-entries", "--memory-id", other))["total"] == 1
+
+
+def line_text(memory_id: str, content: str, more: str = "", close: str = "}") -> str:
+    """An import line written by hand: what json.dumps would never write (NaN, a broken line)."""
+    return '{"memory_id": ' + json.dumps(memory_id) + ', "content": ' + json.dumps(content) + more + close
+
+
+async def test_an_import_run_again_after_a_fix_writes_again_only_the_fixed_line(
+    cli: Cli, memory_id: str, tmp_path: Path
+) -> None:
+    facts = ["Paul lives in Paris", "Quinn works at Acme", "Paul lives in Paris"]
+    source = tmp_path / "fix.jsonl"
+    lines = [json.dumps({"memory_id": memory_id, "content": fact}) for fact in facts]
+    source.write_text("\n".join([*lines, line_text(memory_id, "Rita rides", close="")]) + "\n")
+    code, out, _ = await cli("import", str(source), "--json")
+    assert code == 1 and (json.loads(out)["created"], json.loads(out)["skipped"]) == (2, 1)
+    paul, quinn = (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]
+    # Since the import, one fact was corrected and one deleted; then the broken line is fixed.
+    await cli.json("update-memory-entry", paul["id"], "--content", "Paul moved to Berlin")
+    assert (await cli("delete-memory-entry", quinn["id"]))[0] == 0
+    source.write_text(source.read_text().replace('"Rita rides"', '"Rita rides"}'))
+    code, out, err = await cli("import", str(source), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["created"], summary["already_imported"]) == (1, 3)
+    contents = [e["content"] for e in (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]]
+    assert contents == ["Paul moved to Berlin", "Rita rides"]
+
+
+async def test_an_import_line_that_cannot_be_sent_fails_alone(cli: Cli, memory_id: str, tmp_path: Path) -> None:
+    source = tmp_path / "odd.jsonl"
+    good = {"memory_id": memory_id, "content": "Alice likes tea"}
+    source.write_text("\n".join([
+        json.dumps(good),
+        json.dumps({**good, "content": "Bob", "idempotency_key": "ключ"}, ensure_ascii=False),
+        line_text(memory_id, "Carol", ', "metadata": {"a": NaN}'),
+        line_text(memory_id, "Dan", ', "metadata": {"n": ' + "9" * 5000 + "}"),
+        line_text(memory_id, "Eve", ', "metadata": ' + "[" * 100_000 + "]" * 100_000),
+        json.dumps({**good, "content": "Frank has a cat"}),
+    ]))
+    code, out, _ = await cli("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 1 and (summary["created"], summary["failed"]) == (2, 4)
+    assert [(f["line"], f["error"].split(":")[0]) for f in summary["failures"]] == [
+        (2, "INVALID_REQUEST"), (3, "not usable JSON"), (4, "not usable JSON"), (5, "not usable JSON")
+    ]
+
+
+async def test_failures_past_the_listed_ones_are_counted(cli: Cli, memory_id: str, tmp_path: Path) -> None:
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(f"bad {n}" for n in range(150)))
+    code, out, err = await cli("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 1 and summary["failed"] == 150 and summary["failures_not_listed"] == 50
+    assert [f["line"] for f in summary["failures"]] == list(range(1, 101))
+    assert "… and 50 more failed lines, not listed" in err
+
+
+async def test_a_key_that_may_only_write_can_import(cli: Cli, memory_id: str, project_id: str, tmp_path: Path) -> None:
+    with MemoriesClient(cli.url, ADMIN_TOKEN) as admin:
+        key = admin.create_api_key(project_id, ["memories:CreateMemoryEntry"]).key
+    source = tmp_path / "writer.jsonl"
+    source.write_text(json.dumps({"memory_id": memory_id, "content": "Written by a narrow key"}) + "\n")
+    code, out, err = await cli.raw("import", str(source), "--json", "--url", cli.url, "--token", key)
+    assert code == 0, err
+    assert json.loads(out)["created"] == 1
 
 
 async def test_import_counts_bad_lines_as_failed(cli: Cli, memory_id: str, tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ one over HTTP to the app served by uvicorn, both backed by the real PostgreSQL, 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import pickle
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -22,6 +25,7 @@ from shared.client import (
     ConnectionFailed,
     EntryWrite,
     Forbidden,
+    InvalidRequest,
     MemoriesClient,
     MemoriesError,
     Memory,
@@ -30,6 +34,7 @@ from shared.client import (
     PayloadTooLarge,
     ServiceUnavailable,
     SourceType,
+    TimedOut,
     Unauthorized,
     ValidationFailed,
     WriteAction,
@@ -280,6 +285,41 @@ async def test_an_unreachable_service_is_a_typed_error() -> None:
         with pytest.raises(ConnectionFailed) as unreachable:
             await memories.list_projects()
     assert unreachable.value.status is None and unreachable.value.code == "CONNECTION_FAILED"
+
+
+def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_url: str) -> None:
+    sent: list[httpx.Request] = []
+    recording = httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(500))
+    memories = MemoriesClient("http://memories.test", "t", transport=recording)
+    unsendable: list[Any] = [
+        lambda: memories.create_entry("mem_a", "x", metadata={"score": float("nan")}),  # no JSON number
+        lambda: memories.create_entry("mem_a", "x", idempotency_key="ключ"),  # no header value
+        lambda: memories.get_memory(""),  # "/memories/" is the list
+        lambda: MemoriesClient("http://memories.test", "tökén"),
+        lambda: MemoriesClient("http://[::1"),
+        # Checked by the HTTP protocol on the way out: over a real connection.
+        lambda: MemoriesClient(api_url, ADMIN_TOKEN).create_entry("mem_a", "x", idempotency_key=" padded "),
+    ]
+    for attempt in unsendable:
+        with pytest.raises(InvalidRequest) as refused:
+            attempt()
+        assert refused.value.status is None and refused.value.code == "INVALID_REQUEST"
+    assert sent == []
+
+
+def test_a_request_left_unanswered_may_have_been_applied() -> None:
+    with socket.create_server((LOOPBACK, 0)) as silent:  # accepts connections, never answers
+        url = f"http://{LOOPBACK}:{silent.getsockname()[1]}"
+        with MemoriesClient(url, "t", timeout=0.5) as memories, pytest.raises(TimedOut) as unanswered:
+            memories.create_entry("mem_a", "x", idempotency_key="k1")
+    assert unanswered.value.code == "TIMED_OUT" and "may have been applied" in unanswered.value.message
+
+
+def test_errors_survive_pickling_and_copying() -> None:
+    error = NotFound(404, "RESOURCE_NOT_FOUND", "no such memory", {"id": "mem_a"})
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(clone) is NotFound and str(clone) == str(error)
+        assert (clone.status, clone.code, clone.message, clone.meta) == (404, "RESOURCE_NOT_FOUND", "no such memory", {"id": "mem_a"})
 
 
 @pytest.mark.parametrize(

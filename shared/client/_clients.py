@@ -9,9 +9,10 @@ import httpx
 
 from shared.client import _operations as op
 from shared.client._calls import Call, async_operation, sync_operation
-from shared.client.errors import MemoriesError, connection_failed, raise_for_error
+from shared.client.errors import MemoriesError, raise_for_error, unsent_or_unanswered
 
 T = TypeVar("T")
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_PREFIX = "/api/v1"
@@ -27,6 +28,13 @@ def api_base(url: str) -> str:
 def _settings(url: str, token: str | None, timeout: float) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return {"base_url": api_base(url), "headers": headers, "timeout": timeout}
+
+
+def _http_client(kind: type[H], url: str, token: str | None, timeout: float, transport: Any) -> H:
+    try:
+        return kind(transport=transport, **_settings(url, token, timeout))
+    except (httpx.InvalidURL, ValueError) as exc:  # a malformed URL, a token that is no header value
+        raise unsent_or_unanswered(exc, url) from exc
 
 
 def _request(call: Call[Any]) -> dict[str, Any]:
@@ -57,14 +65,14 @@ class MemoriesClient:
         transport: httpx.BaseTransport | None = None,
         http: httpx.Client | None = None,
     ) -> None:
-        self._http = http or httpx.Client(transport=transport, **_settings(url, token, timeout))
+        self._http = http or _http_client(httpx.Client, url, token, timeout, transport)
         self._owns_http = http is None
 
     def send(self, call: Call[T]) -> T:
         try:
             response = self._http.request(call.method, call.path, **_request(call))
-        except httpx.TransportError as exc:
-            raise connection_failed(exc, str(self._http.base_url)) from exc
+        except (httpx.TransportError, httpx.InvalidURL, ValueError) as exc:
+            raise unsent_or_unanswered(exc, str(self._http.base_url)) from exc
         return _read(call, response)
 
     def close(self) -> None:
@@ -116,14 +124,14 @@ class AsyncMemoriesClient:
         transport: httpx.AsyncBaseTransport | None = None,
         http: httpx.AsyncClient | None = None,
     ) -> None:
-        self._http = http or httpx.AsyncClient(transport=transport, **_settings(url, token, timeout))
+        self._http = http or _http_client(httpx.AsyncClient, url, token, timeout, transport)
         self._owns_http = http is None
 
     async def send(self, call: Call[T]) -> T:
         try:
             response = await self._http.request(call.method, call.path, **_request(call))
-        except httpx.TransportError as exc:
-            raise connection_failed(exc, str(self._http.base_url)) from exc
+        except (httpx.TransportError, httpx.InvalidURL, ValueError) as exc:
+            raise unsent_or_unanswered(exc, str(self._http.base_url)) from exc
         return _read(call, response)
 
     async def aclose(self) -> None:

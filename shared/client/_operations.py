@@ -10,6 +10,7 @@ import httpx
 from pydantic import BaseModel
 
 from shared.client._calls import UNSET, Call, Unset, dump, fields, model, nothing, page, present, query
+from shared.client.errors import InvalidRequest
 from shared.client.models import (
     ApiKey,
     ApiKeyCreated,
@@ -32,6 +33,8 @@ Json = Mapping[str, Any]
 
 
 def _id(value: str) -> str:
+    if not value:  # "/memories/" is another route (the list)
+        raise InvalidRequest(None, "INVALID_REQUEST", "an id must not be empty")
     # An id is one path segment, whatever a caller passes: `../projects` must not reach another route.
     return quote(value, safe="")
 

@@ -1,8 +1,9 @@
 """Bulk import of entries from JSON Lines, safe to re-run.
 
 Each line is `{"memory_id", "content", "tags"?, "metadata"?, "idempotency_key"?}`. A line without a key gets
-one from the file's hash and its line number, so importing the same file again writes nothing twice: the
-service answers a known key with the first outcome, and such a line counts as skipped (already imported).
+one from its own text (and how many identical lines came before it), so importing a line again writes nothing
+twice, also after other lines of the file were fixed or added: the service answers a known key with the first
+outcome, and such a line counts as skipped (already imported).
 Lines of one memory are written in file order, since the dedup decision depends on what came before;
 different memories are written concurrently.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from shared.client._clients import AsyncMemoriesClient
-from shared.client.errors import MemoriesError, NotFound
+from shared.client.errors import Forbidden, MemoriesError, NotFound
 from shared.ids import keyed_write_id
 
 LINE_FIELDS = frozenset({"memory_id", "content", "tags", "metadata", "idempotency_key"})
@@ -41,6 +42,7 @@ class ImportLine:
     idempotency_key: str
     tags: list[str] | None = None
     metadata: dict[str, Any] | None = None
+    key_of_its_own: bool = False  # given on the line, not made from its text
 
 
 @dataclass
@@ -68,44 +70,66 @@ class ImportSummary:
             f"({self.already_imported} already imported){others}, {self.counts['failed']} failed"
         )
 
+    @property
+    def listed_failures(self) -> list[tuple[int, str]]:
+        """The first MAX_REPORTED_FAILURES failures met, by line number."""
+        return sorted(self.failures)
+
+    @property
+    def unlisted_failures(self) -> int:
+        return self.counts["failed"] - len(self.failures)
+
     def as_json(self) -> dict[str, Any]:
         counts = {name: self.counts[name] for name in MAIN_OUTCOMES} | dict(self.counts)
-        failures = [{"line": number, "error": reason} for number, reason in self.failures]
+        failures = [{"line": number, "error": reason} for number, reason in self.listed_failures]
         return {
             "lines": self.total,
             **counts,
             "already_imported": self.already_imported,
             "failures": failures,
+            "failures_not_listed": self.unlisted_failures,
         }
 
 
-def file_digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
+def strict_json(text: str) -> Any:
+    """`json.loads` without what JSON lacks (NaN, Infinity, which Python reads and the API refuses); a number
+    too long or nesting too deep to read is a ValueError too."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
-def parse_lines(text: str, digest: str, summary: ImportSummary) -> list[ImportLine]:
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_lines(text: str, summary: ImportSummary) -> list[ImportLine]:
     """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored.
 
     Lines end at "\n" (a "\r" before it is dropped) and nowhere else: U+2028, U+0085 and the like may stand
     unescaped inside a JSON string, and a file's line numbers are what its editor shows."""
     lines: list[ImportLine] = []
+    seen: Counter[str] = Counter()  # identical lines so far, by their key's digest
     for number, raw in enumerate(text.split("\n"), start=1):
         raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         summary.total += 1
         try:
-            lines.append(_parse(number, raw, digest))
+            lines.append(_parse(number, raw, seen))
         except BadLine as exc:
             summary.fail(number, str(exc))
     return lines
 
 
-def _parse(number: int, raw: str, digest: str) -> ImportLine:
+def _parse(number: int, raw: str, seen: Counter[str]) -> ImportLine:
     try:
-        value = json.loads(raw)
+        value = strict_json(raw)
     except json.JSONDecodeError as exc:
         raise BadLine(f"not JSON: {exc.msg}") from None
+    except ValueError as exc:
+        raise BadLine(f"not usable JSON: {exc}") from None
     if not isinstance(value, dict):
         raise BadLine("not a JSON object")
     if unknown := sorted(set(value) - LINE_FIELDS):
@@ -121,7 +145,18 @@ def _parse(number: int, raw: str, digest: str) -> ImportLine:
     key = value.get("idempotency_key")
     if key is not None and not isinstance(key, str):
         raise BadLine("idempotency_key must be a string")
-    return ImportLine(number, memory_id, content, key or f"import:{digest}:{number}", tags, metadata)
+    if key is not None:
+        return ImportLine(number, memory_id, content, key, tags, metadata, key_of_its_own=True)
+    return ImportLine(number, memory_id, content, _line_key(value, seen), tags, metadata)
+
+
+def _line_key(value: dict[str, Any], seen: Counter[str]) -> str:
+    """The line's own key: what it writes, and which of the identical lines of the file it is. A key from the
+    file's hash and the line's number changed for every line whenever one was fixed, and a re-run wrote again
+    the facts corrected or deleted since."""
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+    seen[digest] += 1
+    return f"import:{digest}:{seen[digest]}"
 
 
 async def import_lines(
@@ -138,9 +173,12 @@ async def import_lines(
     slots = asyncio.Semaphore(max(concurrency, 1))
 
     async def write_memory_lines(memory_id: str, batch: list[ImportLine]) -> None:
+        project_id: str | None = None  # a key that may only write cannot read its memory: no "already imported"
         try:
             async with slots:
                 project_id = (await client.get_memory(memory_id)).project_id
+        except Forbidden:
+            pass
         except MemoriesError as exc:
             for line in batch:
                 summary.fail(line.number, _reason(exc))
@@ -157,12 +195,18 @@ async def import_lines(
 
 
 async def _write(
-    client: AsyncMemoriesClient, project_id: str, line: ImportLine, summary: ImportSummary
+    client: AsyncMemoriesClient, project_id: str | None, line: ImportLine, summary: ImportSummary
 ) -> None:
     try:
-        already = await _already_written(client, project_id, line.idempotency_key)
-        # Sent even then: the service answers its first outcome only to the same request, and a 409 when the
-        # key was first used for another line (a record whose text changed since, a key given twice).
+        already = project_id is not None and await _already_written(client, project_id, line.idempotency_key)
+        if already and not line.key_of_its_own:
+            # Its key is its text: nothing to learn by sending it again (and its entry may be gone since: a 409).
+            summary.counts["skipped"] += 1
+            summary.already_imported += 1
+            return
+        # A key of the line's own is sent even then: the service answers its first outcome only to the same
+        # request, and a 409 when the key was first used for another line (a key given twice, a record whose
+        # text changed since).
         written = await client.create_entry(
             line.memory_id,
             line.content,

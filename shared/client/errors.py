@@ -20,6 +20,10 @@ class MemoriesError(Exception):
         self.message = message
         self.meta: dict[str, Any] = meta or {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields, so that it crosses a process pool or a task queue (pickle, copy).
+        return type(self), (self.status, self.code, self.message, self.meta)
+
 
 class ValidationFailed(MemoriesError):
     """400: `meta` may name `unknown_fields`, `missing_fields` or `invalid_fields`."""
@@ -51,6 +55,17 @@ class ServiceUnavailable(MemoriesError):
 
 class ConnectionFailed(MemoriesError):
     """No HTTP response at all: the service is unreachable or the connection broke."""
+
+
+class TimedOut(MemoriesError):
+    """The request was sent and no answer came within the client's timeout: it may have been applied. A write
+    retried with the same Idempotency-Key is applied once."""
+
+
+class InvalidRequest(MemoriesError):
+    """Nothing was sent: the request cannot be sent as given (a number JSON cannot carry, NaN or Infinity; a
+    header value, such as a token or an Idempotency-Key, that is not visible ASCII; a malformed URL; an
+    empty id)."""
 
 
 _BY_STATUS: dict[int, type[MemoriesError]] = {
@@ -88,7 +103,15 @@ def raise_for_error(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def connection_failed(exc: httpx.TransportError, url: str) -> ConnectionFailed:
-    return ConnectionFailed(
-        None, "CONNECTION_FAILED", f"cannot reach {url}: {str(exc) or type(exc).__name__}"
-    )
+def unsent_or_unanswered(exc: Exception, url: str) -> MemoriesError:
+    """The typed error of a request that got no response: never sent (refused here), unanswered in time, or
+    unable to reach the service."""
+    reason = str(exc) or type(exc).__name__
+    # A protocol error on our side (an illegal header value) is a TransportError too, but nothing left.
+    if isinstance(exc, httpx.LocalProtocolError | httpx.InvalidURL | ValueError):  # UnicodeEncodeError included
+        return InvalidRequest(None, "INVALID_REQUEST", f"the request cannot be sent: {reason}")
+    if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+        return TimedOut(
+            None, "TIMED_OUT", f"{url} did not answer in time; the request may have been applied ({reason})"
+        )
+    return ConnectionFailed(None, "CONNECTION_FAILED", f"cannot reach {url}: {reason}")
