@@ -299,13 +299,16 @@ VERBS: dict[str, Command] = {
 
 
 def connection(args: argparse.Namespace) -> tuple[str, str | None]:
-    """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else the admin token a local `memories up` wrote."""
+    """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else what a local `memories up` was started with:
+    the port (MEMORIES_PORT) and the admin token (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
     settings = get_settings()
-    token = args.token or settings.memories_token
+    token = args.token or settings.memories_token or settings.memories_admin_token
     token_file = settings.data_dir / "admin_token"
     if not token and token_file.is_file():
         token = token_file.read_text().strip()
-    return args.url or settings.memories_url, token
+    if args.url or "memories_url" in settings.model_fields_set:
+        return args.url or settings.memories_url, token
+    return f"http://127.0.0.1:{settings.memories_port}", token  # where a local run listens
 
 
 def report(error: MemoriesError) -> int:

@@ -73,9 +73,12 @@ class Settings(BaseSettings):
     )
 
     # The resource verbs of the CLI (`memories create-memory`, …): which service, with which token.
-    memories_url: str = Field(default="http://127.0.0.1:8000", description="the service the CLI talks to")
+    memories_url: str = Field(
+        default="http://127.0.0.1:8000", description="the service the CLI talks to; unset: this machine's MEMORIES_PORT"
+    )
     memories_token: str | None = Field(
-        default=None, description="the CLI's bearer token; unset: <data dir>/admin_token when it exists"
+        default=None,
+        description="the CLI's bearer token; unset: MEMORIES_ADMIN_TOKEN, else <data dir>/admin_token when it exists",
     )
 
     # How many completed turns one extractor replica works on at once (its LLM calls overlap).

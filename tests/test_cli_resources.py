@@ -426,6 +426,15 @@ async def test_connection_settings(
         get_settings.cache_clear()
         code, _, err = await cli.raw("list-projects")
         assert code == 1 and "UNAUTHORIZED" in err  # the variable wins over the file
+        # What a local run was started with, and nothing else: its port and its admin token.
+        monkeypatch.delenv("MEMORIES_URL")
+        monkeypatch.delenv("MEMORIES_TOKEN")
+        monkeypatch.setenv("MEMORIES_PORT", api_url.rsplit(":", 1)[1])
+        monkeypatch.setenv("MEMORIES_ADMIN_TOKEN", ADMIN_TOKEN)
+        (tmp_path / "admin_token").write_text("a stale token of an earlier run\n")
+        get_settings.cache_clear()
+        code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
+        assert code == 0, err
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()
