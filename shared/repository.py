@@ -300,7 +300,7 @@ async def insert_entry(session: AsyncSession, **values: Any) -> str:
 async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[str, Any]) -> MemoryEntry:
     for field, value in changes.items():
         setattr(entry, field, value)
-    entry.updated_at = func.now()
+    entry.updated_at = func.clock_timestamp()  # as the entry's other times (migration 0009)
     await session.flush()
     await session.refresh(entry)
     return entry
@@ -311,13 +311,13 @@ async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
 
 
 async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str) -> None:
-    """Retired at the transaction's time: the same instant as its replacement's `created_at`. That time is
-    when the transaction began, before it waited for the memory's lock, so an entry committed by another
-    transaction during that wait and retired by this one can show `invalidated_at` before its `created_at`."""
+    """Retired at the instant its replacement (inserted first) was created: under the memory's lock, so never
+    before the retired entry's own `created_at` (migration 0009)."""
+    retired_at = select(MemoryEntry.created_at).where(MemoryEntry.id == replacement_id).scalar_subquery()
     await session.execute(
         update(MemoryEntry)
         .where(MemoryEntry.id == entry_id)
-        .values(invalidated_at=func.now(), superseded_by_entry_id=replacement_id, updated_at=func.now())
+        .values(invalidated_at=retired_at, superseded_by_entry_id=replacement_id, updated_at=retired_at)
     )
 
 

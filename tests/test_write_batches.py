@@ -29,6 +29,7 @@ from shared.ids import new_write_id
 from shared.llm import ModelSteps
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Decided, WriteApplier
+from tests.conftest import wait_until_blocked_by
 
 
 class CountingEmbedder:
@@ -452,3 +453,22 @@ async def test_the_policies_remembered_are_bounded_the_least_recently_written_fo
         return not applier.may_wait_on_a_model(prepared)
 
     assert [await remembered_as_seed(m) for m in (first, second, third)] == [True, False, True]
+
+
+async def test_a_memorys_entries_are_listed_in_the_order_their_writes_committed(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A batch locks its memories in one order; while it waits for the first, another write to the second commits.
+    waited_for, written_meanwhile = sorted([await new_memory(client, project, "a"), await new_memory(client, project, "b")],
+                                           key=lambda memory: memory["id"])
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    prepared = await applier.prepare([write(waited_for, "Ada prefers tea"), write(written_meanwhile, "Bob was batched")])
+    async with sessions() as holder, holder.begin():
+        await repo.lock_memories(holder, [waited_for["id"]])
+        batch = asyncio.create_task(applier.decide(prepared))
+        await wait_until_blocked_by(holder, "the batch")
+        assert actions(await applier.apply_batch([write(written_meanwhile, "Bob wrote meanwhile")])) == ["created"]
+    assert actions(await batch) == ["created", "created"]
+    # Listed as committed: a client paging through the memory sees the later commit after the earlier one.
+    listed = await client.get("/memory-entries", params={"memory_id": written_meanwhile["id"]})
+    assert [entry["content"] for entry in listed.json()["data"]] == ["Bob wrote meanwhile", "Bob was batched"]

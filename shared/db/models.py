@@ -35,6 +35,12 @@ def _created() -> Mapped[datetime]:
     return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
 
 
+def _stamped_at_the_statement() -> Mapped[datetime]:
+    """The statement's time, not the transaction's (migration 0009): an entry written under its memory's lock
+    is then stamped after every entry of that memory committed before it."""
+    return mapped_column(DateTime(timezone=True), server_default=func.clock_timestamp(), nullable=False)
+
+
 class Project(Base):
     __tablename__ = "projects"
 
@@ -79,8 +85,8 @@ class MemoryEntry(Base):
     superseded_by_entry_id: Mapped[str | None] = mapped_column(
         ForeignKey("memory_entries.id", ondelete="SET NULL")
     )
-    created_at: Mapped[datetime] = _created()
-    updated_at: Mapped[datetime] = _created()
+    created_at: Mapped[datetime] = _stamped_at_the_statement()
+    updated_at: Mapped[datetime] = _stamped_at_the_statement()
 
 
 class WriteOutcome(Base):
