@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    ColumnElement,
     Integer,
     Row,
     Select,
@@ -52,10 +53,12 @@ STALE_PENDING = timedelta(seconds=30)
 """A pending write this old has lost its caller; a retry with its key may publish it again."""
 
 
-def glob_to_like(pattern: str) -> str:
-    """`*` and `?` are the only wildcards; a caller's `%`, `_` and `\\` are literal."""
-    escaped = pattern.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return escaped.replace("*", "%").replace("?", "_")
+def glob_to_like(pattern: str) -> ColumnElement[str]:
+    """The LIKE pattern of a glob, lowered by the database: `*` and `?` are the only wildcards; a caller's `%`,
+    `_` and `\\` are literal. Lowered as the tags are, by PostgreSQL: Python lowers a word-final "Σ" to "ς" and
+    "İ" to two characters, so a tag would not match itself."""
+    escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return func.lower(escaped.replace("*", "%").replace("?", "_"), type_=Text)
 
 
 def tags_match_any(column: Any, patterns: Sequence[str]) -> Any:

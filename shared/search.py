@@ -211,7 +211,7 @@ def _own_tags_match(patterns: Sequence[str]) -> ColumnElement[bool]:
     """Entry granularity. The trigram index (migration 0002) finds candidates, a superset since a LIKE
     wildcard may span separators; the exact per-tag glob decides."""
     joined = func.memory_tags_text(MemoryEntry.tags)
-    wrapped = [f"%{_TAG_SEPARATOR}{glob_to_like(p)}{_TAG_SEPARATOR}%" for p in patterns]
+    wrapped = [f"%{_TAG_SEPARATOR}" + glob_to_like(p) + f"{_TAG_SEPARATOR}%" for p in patterns]
     prefilter = or_(*[joined.like(like) for like in wrapped]) if wrapped else false()
     return and_(prefilter, tags_match_any(MemoryEntry.tags, patterns))
 

@@ -152,6 +152,17 @@ async def test_tag_globs(client: httpx.AsyncClient, project: dict[str, Any]) -> 
         assert problem["field"].startswith("tags") and reason in problem["message"]
 
 
+async def test_a_tag_matches_itself_in_any_script(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    # Lowered on both sides by the database: Python lowers "Σ" at a word's end to "ς" and "İ" to two characters.
+    await client.post("/memories", json={"project_id": project["id"], "name": "greek", "tags": ["ΟΔΟΣ", "İzmir"]})
+    for pattern in ("ΟΔΟΣ", "οδοσ", "ΟΔΟ*", "İzmir", "izmir", "İZMİR"):
+        assert await _names(client, project["id"], pattern) == ["greek"], pattern
+    memory_id = (await client.get("/memories", params={"project_id": project["id"]})).json()["data"][0]["id"]
+    await client.post("/memory-entries", json={"memory_id": memory_id, "content": "A café", "tags": ["ΚΑΦΕΣ"]})
+    found = await client.post("/knowledge/search", json={"project_id": project["id"], "memory_tags": ["ΚΑΦΕΣ"]})
+    assert [hit["content"] for hit in found.json()["results"]] == ["A café"]  # an entry's own tag
+
+
 async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
     for i in range(5):
         await client.post("/memories", json={"project_id": project["id"], "name": f"m{i}"})
