@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from shared.events import WriteAction, WritePolicy
-from shared.guard import meaning_change
+from shared.guard import meaning_change, normalize_content
 
 MERGE_FLOOR = 0.75
 """Agent writes scoring in [MERGE_FLOOR, duplicate_threshold) are consolidated with the nearest entry."""
@@ -25,6 +25,11 @@ REWRITE_FLOOR = 0.50
 """A model's rewrite of two facts must score at least this against each. Measured with the default embedder:
 refusals, `[]`, `null`, "OK" score −0.04–0.25 against the facts; faithful merges 0.73–0.99, also for pairs at the
 bottom of the merge band (a pair at 0.759 whose literal merge scores 0.744 against the older fact)."""
+
+REWRITE_MIN_SHARE = 0.5
+"""A rewrite states both facts, so it is hardly shorter than the longer of them; under half its length it has
+dropped details. "Alice." for "Alice prefers email over phone calls." and "Alice prefers email, especially in the
+morning." still scores 0.53 and 0.55 against them, above REWRITE_FLOOR."""
 
 ARBITRATION_FLOOR = 0.60
 ARBITRATION_SHORTLIST = 5
@@ -150,14 +155,22 @@ async def _guarded_instead(
 
 async def _usable_rewrite(text: str | None, facts: list[str], relatedness: Relatedness | None) -> str | None:
     """A model's rewrite of `facts` as one fact, or None: blank, a paragraph, a JSON structure instead of a
-    sentence, or not about those facts."""
+    sentence, too short to state both facts, or not about those facts."""
     rewrite = (text or "").strip()
-    if not rewrite or len(rewrite) > MERGED_CONTENT_MAX_CHARS or rewrite[0] in "[{":
+    if not rewrite or len(rewrite) > MERGED_CONTENT_MAX_CHARS or rewrite[0] in "[{" or _drops_a_fact(rewrite, facts):
         return None
     if relatedness is None:
         return rewrite
     scores = await relatedness(rewrite, facts)
     return rewrite if len(scores) == len(facts) and min(scores) >= REWRITE_FLOOR else None
+
+
+def _drops_a_fact(rewrite: str, facts: list[str]) -> bool:
+    """Under REWRITE_MIN_SHARE of the longer fact, or a copy of a fact that another, longer one adds to (the model
+    kept the stored fact and dropped the new detail): a fact would be lost."""
+    text, stated = normalize_content(rewrite), [normalize_content(fact) for fact in facts]
+    longest = max(map(len, stated), default=0)
+    return len(text) < REWRITE_MIN_SHARE * longest or (text in stated and len(text) < longest)
 
 
 async def _apply_verdict(

@@ -238,6 +238,8 @@ async def merge_decision(consolidate, relatedness) -> object:
         ("I'm sorry, but I can't help with that.", scores(0.1, 0.08), Rule.MERGE_FAILED),
         # Close to one fact only: the other would be lost.
         ("Customer also accepts SMS", scores(0.4, 0.99), Rule.MERGE_FAILED),
+        # Too short to state both facts, however it scores: a name, a word.
+        ("Customer.", scores(0.9, 0.9), Rule.MERGE_FAILED),
         # A structure, not a sentence: never stored, whatever it scores.
         ("[]", scores(0.9, 0.9), Rule.MERGE_FAILED),
         ('{"merged": "Customer prefers email, also accepts SMS"}', scores(0.9, 0.9), Rule.MERGE_FAILED),
@@ -250,6 +252,20 @@ async def test_a_merge_must_still_state_both_facts(reply, relatedness, rule) -> 
         assert decision.merged_content == reply and relatedness.asked == [[EXISTING, "Customer also accepts SMS"]]
     else:
         assert decision.action is WriteAction.CREATED and decision.merged_content is None
+
+
+async def test_a_rewrite_that_keeps_the_shorter_fact_only_drops_the_other() -> None:
+    detailed = EXISTING + ", especially in the morning"
+    for existing, incoming, reply, rule in [
+        (EXISTING, detailed, EXISTING + ".", Rule.MERGE_FAILED),  # the new detail dropped
+        (EXISTING, detailed, detailed, Rule.MERGED),  # the new fact says all the old one did
+        (detailed, EXISTING, detailed, Rule.MERGED),  # the stored fact says all the new one does
+    ]:
+        decision = await decide(
+            IncomingWrite(content=incoming, duplicate_threshold=0.95), exact_match=None,
+            nearest=[near(0.9, existing)], consolidate=replying(reply), relatedness=scores(0.9, 0.9),
+        )
+        assert decision.rule == rule, (existing, incoming, reply)
 
 
 async def test_an_embedder_failure_while_checking_a_rewrite_is_retried_not_a_failed_merge() -> None:
@@ -292,8 +308,10 @@ async def test_an_arbitrated_update_must_still_state_both_facts() -> None:
         exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(0.1, 0.1),
     )
     assert refused.action is WriteAction.CREATED and refused.rule == "arbitration_failed:guard:order"
+    rewrite = "The customer now prefers phone calls to email"
     kept = await decide(
         IncomingWrite(content=REVERSED, duplicate_threshold=0.95, policy=WritePolicy.ARBITRATE),
-        exact_match=None, nearest=[near(0.99)], arbitrate=update, relatedness=scores(REWRITE_FLOOR, 0.7),
+        exact_match=None, nearest=[near(0.99)], arbitrate=verdict(Operation.UPDATE, near(0.99), rewrite),
+        relatedness=scores(REWRITE_FLOOR, 0.7),
     )
-    assert kept.action is WriteAction.UPDATED and kept.merged_content == "I cannot decide."
+    assert kept.action is WriteAction.UPDATED and kept.merged_content == rewrite
