@@ -4,6 +4,7 @@ extraction outcomes. Functions take a session and never commit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, select, update
@@ -179,6 +180,9 @@ class ReportedTurn:
     when it was extracted already (reported again, it is not extracted twice)."""
     retry_of: str | None = None
     """For a retry of a failed extraction, the time of that failure: tells this attempt from the first on the bus."""
+    first_reported_at: datetime | None = None
+    """When the turn was first known here (None: now). Its facts cite its generation and conversation as of then:
+    reported again after a forgetting, the turn is no newer than it was."""
 
 
 async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> ReportedTurn:
@@ -186,7 +190,7 @@ async def mark_extraction_pending(session: AsyncSession, project_id: str, genera
     pending again."""
     known = (
         await session.execute(
-            select(GenerationExtraction.status, GenerationExtraction.updated_at)
+            select(GenerationExtraction.status, GenerationExtraction.updated_at, GenerationExtraction.created_at)
             .where(GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id)
             .with_for_update()
         )
@@ -199,13 +203,13 @@ async def mark_extraction_pending(session: AsyncSession, project_id: str, genera
         )
         return ReportedTurn("pending")
     if known.status != "failed":
-        return ReportedTurn(known.status)
+        return ReportedTurn(known.status, first_reported_at=known.created_at)
     await session.execute(
         update(GenerationExtraction)
         .where(GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id)
         .values(status="pending", reason=None, updated_at=func.now())
     )
-    return ReportedTurn("pending", retry_of=known.updated_at.isoformat())
+    return ReportedTurn("pending", retry_of=known.updated_at.isoformat(), first_reported_at=known.created_at)
 
 
 async def restore_failed_extraction(session: AsyncSession, project_id: str, generation_id: str) -> None:

@@ -254,6 +254,32 @@ async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_wit
     assert cited == {"The user drives a blue van.": None, "The user plays the cello.": "conv_cleared"}
 
 
+async def test_a_turn_reported_again_after_a_forgetting_is_as_old_as_its_first_report(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    forget = {"params": {"project_id": memory["project_id"]}}
+    # Its extraction fails (a model that is not configured); meanwhile its conversation is forgotten.
+    body = turn_body(memory, "custom/unconfigured", "gen_reported_again", conversation_id="conv_forgotten_since")
+    assert (await client.post("/generations/completed", json=body)).status_code == 202
+    assert (await finished(client, memory, "gen_reported_again"))["status"] == "failed"
+    await client.delete("/conversations/conv_forgotten_since/provenance", **forget)
+    # Reported again with a working model: its fact does not bring the conversation back.
+    model = llm.script("extract-reported-again", json.dumps(["The user rides a green bicycle"]))
+    body["agent"]["model"] = model
+    assert (await client.post("/generations/completed", json=body)).status_code == 202
+    assert (await finished(client, memory, "gen_reported_again"))["status"] == "completed"
+    # A platform that reports a turn late names when it ended.
+    ended = utcnow()
+    await client.delete("/conversations/conv_forgotten_later/provenance", **forget)
+    model = llm.script("extract-reported-late", json.dumps(["The user keeps bees"]))
+    late = turn_body(memory, model, "gen_reported_late", conversation_id="conv_forgotten_later",
+                     occurred_at=ended.isoformat())
+    assert (await client.post("/generations/completed", json=late)).status_code == 202
+    assert (await finished(client, memory, "gen_reported_late"))["status"] == "completed"
+    cited = {e["content"]: e["source_conversation_id"] for e in await entries(client, memory["id"])}
+    assert cited == {"The user rides a green bicycle": None, "The user keeps bees": None}
+
+
 def from_a_clock_ahead(turn: GenerationCompleted, conversation_id: str) -> GenerationCompleted:
     """The turn as a platform whose clock runs an hour ahead stamps it."""
     return turn.model_copy(update={"conversation_id": conversation_id, "occurred_at": utcnow() + timedelta(hours=1)})

@@ -21,7 +21,9 @@ from shared.events import (
     GenerationAgent,
     GenerationCompleted,
     Text,
+    UtcDatetime,
     refuse_nul,
+    utcnow,
 )
 from shared.ids import new_id
 
@@ -38,6 +40,11 @@ class CompletedTurn(Strict):
     status: str = Field(default="completed", max_length=64)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, max_length=100_000)
+    occurred_at: UtcDatetime | None = Field(
+        default=None,
+        description="when the turn ended (default: when it is first reported; never later than that). A forgetting "
+        "of its generation or conversation made after this time does not apply to its facts",
+    )
 
     # Refused here like everywhere in the API, though a transcript is only read (a model's NUL is dropped).
     @field_validator("status", "output")
@@ -82,11 +89,17 @@ async def generation_completed(
 ) -> JSONResponse:
     _check_knowledge_config(body.agent.knowledge_config)
     project_id = await resolve_project(session, principal, body.project_id)
-    event = GenerationCompleted(
-        event_id=new_id("evt_"), project_id=project_id, **body.model_dump(exclude={"project_id"})
-    )
-    reported = await registry.mark_extraction_pending(session, project_id, event.generation_id)
+    reported = await registry.mark_extraction_pending(session, project_id, body.generation_id)
     await session.commit()
+    # The turn's time: reported again (a retry after a failure), it is no newer than when first reported, so a
+    # forgetting made in between still applies to its facts.
+    times = [t for t in (body.occurred_at, reported.first_reported_at) if t is not None]
+    event = GenerationCompleted(
+        event_id=new_id("evt_"),
+        project_id=project_id,
+        occurred_at=min([*times, utcnow()]),
+        **body.model_dump(exclude={"project_id", "occurred_at"}),
+    )
     if reported.status in ("completed", "skipped"):  # extracted already: not twice, and not pending either
         return JSONResponse({"generation_id": event.generation_id, "status": reported.status}, status_code=200)
     retry_of = reported.retry_of
