@@ -111,11 +111,13 @@ def agent_for_merges(
     providers: dict[str, Provider],
     routes: dict[str, list[dict[str, Any]]],
     default_route_id: str | None,
+    service_model: str | None = None,
 ) -> AgentSpec:
     """A `write_memory` call's agent with the model its merges use, resolved as for its extraction: the
-    first target (a write carries one model). An agent that names its endpoint itself (`api_base`,
-    `api_key_env`: the admin token only) keeps it; one with no model anywhere merges nothing. Raises
-    ResolutionError when it names a provider or route the project does not have."""
+    first target (a write carries one model), the service's own model (`MEMORIES_MERGE_MODEL`) when it names
+    none. An agent that names its endpoint itself (`api_base`, `api_key_env`: the admin token only) keeps it;
+    one with no model anywhere merges nothing. Raises ResolutionError when it names a provider or route the
+    project does not have."""
     if agent.api_base or agent.api_key_env:
         return agent
     spec = GenerationAgent(
@@ -123,7 +125,8 @@ def agent_for_merges(
     )
     try:
         target = resolve_targets(
-            ExtractionConfig(), spec, providers=providers, routes=routes, default_route_id=default_route_id
+            ExtractionConfig(), spec, providers=providers, routes=routes, default_route_id=default_route_id,
+            service_model=service_model,
         )[0]
     except ResolutionError:
         if agent.ai_provider_id or agent.model_route_id:

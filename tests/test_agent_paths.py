@@ -28,7 +28,7 @@ from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
 from shared.writes import WriteApplier
-from tests.conftest import wait_until_blocked_by
+from tests.conftest import open_api, wait_until_blocked_by
 
 EMAIL = "Customer prefers email over phone calls"
 EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
@@ -205,6 +205,22 @@ async def test_unusable_merge_creates_instead(
     # The audit names the model that was asked, though its answer was not used.
     (record,) = (await client.get(f"/memory-entries/{second['entry_id']}/history")).json()["data"]
     assert (record["rule"], record["model"], record["prompt_version"]) == ("merge_failed", model, "merge-v1")
+
+
+async def test_an_agent_naming_no_model_merges_with_the_services(
+    settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    model = llm.script("merge-service", MERGED)
+    async with open_api(settings.model_copy(update={"memories_merge_model": model})) as (_app, api):
+        async def write(content: str) -> dict[str, Any]:
+            body = {"content": content, "project_id": memory["project_id"],
+                    "agent": {"id": "agent_1", "knowledge_config": {"write_memory_id": memory["id"]}}}
+            return (await api.post("/tools/write_memory", json=body)).json()
+
+        first = await write(EMAIL)
+        assert await write(EMAIL_DETAIL) == {"action": "updated", "entry_id": first["entry_id"]}
+        assert (await get_entry(api, first["entry_id"]))["content"] == MERGED
+    assert len(llm.calls_to("merge-service")) == 1
 
 
 async def test_manual_writes_never_merge(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:

@@ -84,7 +84,10 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
         return ToolResult(error="the agent's write_memory_id names no memory of this project")
     providers, routes, default_route = await registry.load_model_registry(session, project_id)
     try:
-        agent = agent_for_merges(body.agent, providers=providers, routes=routes, default_route_id=default_route)
+        agent = agent_for_merges(
+            body.agent, providers=providers, routes=routes, default_route_id=default_route,
+            service_model=request.app.state.settings.memories_merge_model,
+        )
     except ResolutionError as exc:
         # A merge is optional; the fact is not: it is written as it would be with no model to merge with.
         log.warning("tool write without a merge model: %s", exc)
