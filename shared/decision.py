@@ -114,8 +114,8 @@ async def decide(
 
     `nearest` is sorted by descending score. `consolidate` is given only on agent paths; `arbitrate` only
     when the policy is ARBITRATE and a model is available. A failed merge falls back to the seed's rule; an
-    arbitration that fails, or that no model can make, to the guarded rule (never skip a changed fact), so an
-    arbitrated memory never guards less than a guarded one.
+    arbitration that fails, or that no model can make, to the guarded rule (never skip a changed fact), and so does
+    a verdict to skip a fact the guard sees changed, so an arbitrated memory never guards less than a guarded one.
 
     A model's rewrite replaces a stored fact, so it must still state both facts it rewrites: with `relatedness`,
     it must score at least REWRITE_FLOOR against each of them (a refusal, an apology or a stray `[]` scores near
@@ -185,6 +185,8 @@ async def _apply_verdict(
     if verdict.target is None:
         return None
     if verdict.operation is Operation.SKIP:
+        if meaning_change(verdict.target.content, incoming.content) is not None:
+            return None  # skipping a changed fact loses it: the guarded rule decides, as for a guarded memory
         return Decision(WriteAction.SKIPPED, rule, verdict.target)
     if verdict.operation is Operation.SUPERSEDE:
         return Decision(WriteAction.SUPERSEDED, rule, verdict.target)

@@ -316,10 +316,10 @@ async def test_arbitration_supersedes_a_reversed_preference(
 @pytest.mark.parametrize(
     ("reply", "action"),
     [
-        (arbitration_reply("skip"), "skipped"),
         (arbitration_reply("add", None), "created"),
         (arbitration_reply("update", 1, "Customer prefers phone calls now, email before."), "updated"),
         # Unusable verdicts fall back to the guarded rule, which sees the reversal: created, not skipped.
+        (arbitration_reply("skip"), "created"),  # skipping the reversal would lose it
         (arbitration_reply("supersede", 7), "created"),  # a target outside the shortlist
         ("not json at all", "created"),  # malformed
         (RuntimeError("timeout"), "created"),  # failed call

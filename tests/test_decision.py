@@ -147,9 +147,16 @@ async def arbitrated(arbitrate, nearest: list[Candidate], consolidate=None, exac
     ],
 )
 async def test_arbitration_operations_on_a_target(operation, content, action, merged) -> None:
-    decision = await arbitrated(verdict(operation, near(0.99), content), [near(0.99), OTHER])
-    assert decision.action is action and decision.target == near(0.99)
+    target = near(0.99, REVERSED + ".") if operation is Operation.SKIP else near(0.99)  # a skip: the same fact
+    decision = await arbitrated(verdict(operation, target, content), [target, OTHER])
+    assert decision.action is action and decision.target == target
     assert decision.merged_content == merged and decision.rule == f"arbitrated:{operation}"
+
+
+async def test_a_verdict_to_skip_a_changed_fact_is_refused() -> None:
+    # "Customer prefers phone calls over email" is no copy of "Customer prefers email over phone calls".
+    decision = await arbitrated(verdict(Operation.SKIP, near(0.99)), [near(0.99), OTHER])
+    assert decision.action is WriteAction.CREATED and decision.rule == "arbitration_failed:guard:order"
 
 
 async def test_arbitration_add_creates() -> None:
