@@ -37,6 +37,12 @@ MULTIPLIERS = {
     "k": 10**3, "hundred": 10**2, "thousand": 10**3, "m": 10**6, "million": 10**6, "bn": 10**9, "billion": 10**9
 }
 _MULTIPLIER_WORDS = frozenset({"hundred", "thousand", "million", "billion"})
+# Units that are no ordinary word, each to the name it is compared by: written apart or not ("16 GB", "16GB"),
+# a unit is part of its value.
+_UNIT_NAMES = (
+    "kb mb gb tb pb kib mib gib tib kbps mbps gbps mg kg lb oz km cm mm ft yd mph kph ml kw kwh mw gw hz khz mhz ghz ms"
+)
+UNITS = {unit: unit for unit in _UNIT_NAMES.split()} | {"lbs": "lb", "kmh": "kph"}
 ORDINAL_SUFFIXES = frozenset({"st", "nd", "rd", "th"})
 _MONTH_NAMES = "january february march april may june july august september october november december"
 MONTHS = dict(zip(_MONTH_NAMES.split(), range(1, 13)))
@@ -98,6 +104,7 @@ def _number(digits: str, suffix: str) -> str:
     if _THOUSANDS.fullmatch(digits):
         digits = digits.replace(",", "")  # "40,000" == "40000"
     suffix = "" if suffix.casefold() in ORDINAL_SUFFIXES else suffix.casefold()
+    suffix = UNITS.get(suffix, suffix)
     if digits.isdigit() and not suffix:
         return str(int(digits))
     if suffix in MULTIPLIERS and _DECIMAL.fullmatch(digits):  # "$40k" == "40,000", "1.2M" == "1.2 million"
@@ -127,6 +134,9 @@ class _Text:
                 self.values[-1] = _number(num, word)
                 self.sequence[-1] = "#" + self.values[-1]
                 last_num = self.values[-1]  # a following multiplier multiplies again
+            elif num and word in UNITS:  # "16 GB" is "16GB"
+                self.values[-1] += UNITS[word]
+                self.sequence[-1] = "#" + self.values[-1]
             elif m["date"]:
                 self._add_value("d" + "-".join(p.zfill(2) for p in re.split(r"[-/]", m["date"])))
             elif m["time"]:

@@ -78,12 +78,19 @@ TABLE: list[tuple[str, str, str | None]] = [
     ("Alice was born on 1990-04-12 in Paris.", "In Paris, on 1990-04-12, Alice was born.", None),
     ("Alice has 2 kids.", "Alice has two kids, Ben and Cara.", None),
     # The same values, swapped between the words they go with.
-    ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 4 GB RAM and 16 CPUs.", "order"),
+    ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 4 GB RAM and 16 CPUs.", "value"),  # 16 GB is not 16
     ("Tom is 30 and Ann is 25.", "Tom is 25 and Ann is 30.", "order"),
     ("The call moved from 3pm to 4pm.", "The call moved from 4pm to 3pm.", "order"),
     ("Version 2 replaced version 3.", "Version 3 replaced version 2.", "order"),
     ("The review moved from 2024-03-01 to 2024-04-01.", "The review moved from 2024-04-01 to 2024-03-01.", "order"),
     ("Server A has 16 GB RAM and 4 CPUs.", "Server A has 16 GB of RAM and 4 CPUs", None),
+    # A unit written apart or not is the same value; another unit is another value.
+    ("The server has 16 GB RAM and 4 CPUs.", "The server has 16GB RAM and 4 CPUs.", None),
+    ("The parcel weighs 2 kg.", "The parcel weighs 2kg.", None),
+    ("The file is 1.5 MB.", "The file is 1.5MB.", None),
+    ("The parcel weighs 2 kg.", "The parcel weighs 2 lb.", "value"),
+    ("The parcel weighs 2 lbs.", "The parcel weighs 2lb.", None),
+    ("The parcel weighs 2kg.", "The parcel weighs 2 lb.", "value"),
 ]
 
 # Contradictions the cheap rules do not see (would need a lexicon or a parser). Each scored
