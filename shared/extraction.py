@@ -93,12 +93,17 @@ def transcript_lines(event: GenerationCompleted) -> list[str]:
     would copy read-only memories into the write memory). Line breaks are folded, so that no message can
     forge a line of another role."""
     said = [
-        (m.role, m.content) for m in event.messages
-        if m.content and m.role not in NOT_SAID and not m.content.startswith(PREAMBLE)
+        (role, m.content) for m in event.messages
+        if m.content and (role := _one_line(m.role)).strip().casefold() not in NOT_SAID
+        and not m.content.startswith(PREAMBLE)
     ]
     if event.output and (not event.messages or event.messages[-1].content != event.output):
         said.append(("assistant", event.output))
-    return [f"{role}: {' '.join(content.splitlines())}" for role, content in said]
+    return [f"{role}: {_one_line(content)}" for role, content in said]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.splitlines())
 
 
 def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None) -> list[dict[str, str]]:
