@@ -302,13 +302,13 @@ def connection(args: argparse.Namespace) -> tuple[str, str | None]:
     """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else what a local `memories up` was started with:
     the port (MEMORIES_PORT) and the admin token (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
     settings = get_settings()
-    token = args.token or settings.memories_token or settings.memories_admin_token
+    named_url: str | None = args.url or (settings.memories_url if "memories_url" in settings.model_fields_set else None)
+    # The admin token of a local run goes to that run only, never to a service named elsewhere.
+    token = args.token or settings.memories_token or (None if named_url else settings.memories_admin_token)
     token_file = settings.data_dir / "admin_token"
     if not token and token_file.is_file():
         token = token_file.read_text().strip()
-    if args.url or "memories_url" in settings.model_fields_set:
-        return args.url or settings.memories_url, token
-    return f"http://127.0.0.1:{settings.memories_port}", token  # where a local run listens
+    return named_url or f"http://127.0.0.1:{settings.memories_port}", token  # where a local run listens
 
 
 def report(error: MemoriesError) -> int:

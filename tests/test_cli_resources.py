@@ -435,6 +435,9 @@ async def test_connection_settings(
         get_settings.cache_clear()
         code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
         assert code == 0, err
+        # A service named elsewhere is not sent the local run's admin token (here: only the stale file's).
+        code, _, err = await cli.raw("list-projects", "--url", api_url)
+        assert code == 1 and "UNAUTHORIZED" in err
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()

@@ -154,9 +154,9 @@ async def test_errors_are_typed_with_the_envelope(memories: AsyncMemoriesClient,
     assert too_long.value.status == 413 and too_long.value.code == "PAYLOAD_TOO_LARGE"
     with pytest.raises(NotFound):
         await memories.list_entries("mem_0000000000000000")
-    with pytest.raises(MemoriesError) as empty_id:  # the server redirects "/memories/": not a deletion
+    with pytest.raises(InvalidRequest) as empty_id:  # "/memories/" is the list: refused before it is sent
         await memories.delete_memory("")
-    assert empty_id.value.status == 307
+    assert empty_id.value.status is None and empty_id.value.code == "INVALID_REQUEST"
     assert (await memories.get_memory(target.id)).id == target.id
     with pytest.raises(MemoriesError) as no_search:
         await memories.search(project_id=target.project_id)
@@ -291,6 +291,7 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
     sent: list[httpx.Request] = []
     recording = httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(500))
     memories = MemoriesClient("http://memories.test", "t", transport=recording)
+    over_http = MemoriesClient(api_url, ADMIN_TOKEN)
     unsendable: list[Any] = [
         lambda: memories.create_entry("mem_a", "x", metadata={"score": float("nan")}),  # no JSON number
         lambda: memories.create_entry("mem_a", "x", idempotency_key="ключ"),  # no header value
@@ -298,13 +299,14 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
         lambda: MemoriesClient("http://memories.test", "tökén"),
         lambda: MemoriesClient("http://[::1"),
         # Checked by the HTTP protocol on the way out: over a real connection.
-        lambda: MemoriesClient(api_url, ADMIN_TOKEN).create_entry("mem_a", "x", idempotency_key=" padded "),
+        lambda: over_http.create_entry("mem_a", "x", idempotency_key=" padded "),
     ]
-    for attempt in unsendable:
-        with pytest.raises(InvalidRequest) as refused:
-            attempt()
-        assert refused.value.status is None and refused.value.code == "INVALID_REQUEST"
-    assert sent == []
+    with memories, over_http:
+        for attempt in unsendable:
+            with pytest.raises(InvalidRequest) as refused:
+                attempt()
+            assert refused.value.status is None and refused.value.code == "INVALID_REQUEST"
+    assert sent == []  # the mocked transport's cases never reached it
 
 
 def test_a_request_left_unanswered_may_have_been_applied() -> None:
@@ -313,6 +315,7 @@ def test_a_request_left_unanswered_may_have_been_applied() -> None:
         with MemoriesClient(url, "t", timeout=0.5) as memories, pytest.raises(TimedOut) as unanswered:
             memories.create_entry("mem_a", "x", idempotency_key="k1")
     assert unanswered.value.code == "TIMED_OUT" and "may have been applied" in unanswered.value.message
+    assert isinstance(unanswered.value, ConnectionFailed)  # what a timeout raised before TimedOut existed
 
 
 def test_errors_survive_pickling_and_copying() -> None:

@@ -57,9 +57,9 @@ class ConnectionFailed(MemoriesError):
     """No HTTP response at all: the service is unreachable or the connection broke."""
 
 
-class TimedOut(MemoriesError):
+class TimedOut(ConnectionFailed):
     """The request was sent and no answer came within the client's timeout: it may have been applied. A write
-    retried with the same Idempotency-Key is applied once."""
+    retried with the same Idempotency-Key is applied once. A ConnectionFailed, as timeouts were before."""
 
 
 class InvalidRequest(MemoriesError):
