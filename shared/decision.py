@@ -27,9 +27,10 @@ refusals, `[]`, `null`, "OK" score −0.04–0.25 against the facts; faithful me
 bottom of the merge band (a pair at 0.759 whose literal merge scores 0.744 against the older fact)."""
 
 REWRITE_MIN_SHARE = 0.5
-"""A rewrite states both facts, so it is hardly shorter than the longer of them; under half its length it has
-dropped details. "Alice." for "Alice prefers email over phone calls." and "Alice prefers email, especially in the
-morning." still scores 0.53 and 0.55 against them, above REWRITE_FLOOR."""
+"""A rewrite under half the length of the shorter fact states neither: "Alice." for "Alice prefers email over phone
+calls." and "Alice prefers email, especially in the morning." still scores 0.53 and 0.55 against them, above
+REWRITE_FLOOR. (Measured against the longer fact instead, it refused good merges: where the facts conflict the new
+one wins, and "Bob works at Globex." rightly replaces a long sentence about his former employer.)"""
 
 ARBITRATION_FLOOR = 0.60
 ARBITRATION_SHORTLIST = 5
@@ -115,7 +116,8 @@ async def decide(
     `nearest` is sorted by descending score. `consolidate` is given only on agent paths; `arbitrate` only
     when the policy is ARBITRATE and a model is available. A failed merge falls back to the seed's rule; an
     arbitration that fails, or that no model can make, to the guarded rule (never skip a changed fact), and so does
-    a verdict to skip a fact the guard sees changed, so an arbitrated memory never guards less than a guarded one.
+    a verdict to skip a near-duplicate the guard sees changed, so an arbitrated memory never guards less than a
+    guarded one.
 
     A model's rewrite replaces a stored fact, so it must still state both facts it rewrites: with `relatedness`,
     it must score at least REWRITE_FLOOR against each of them (a refusal, an apology or a stray `[]` scores near
@@ -153,24 +155,32 @@ async def _guarded_instead(
     return replace(fallback, rule=f"{why}:{fallback.rule}")
 
 
-async def _usable_rewrite(text: str | None, facts: list[str], relatedness: Relatedness | None) -> str | None:
-    """A model's rewrite of `facts` as one fact, or None: blank, a paragraph, a JSON structure instead of a
-    sentence, too short to state both facts, or not about those facts."""
+async def _usable_rewrite(
+    text: str | None, existing: str, incoming: str, relatedness: Relatedness | None
+) -> str | None:
+    """A model's rewrite of the stored and the new fact as one fact, or None: blank, a paragraph, a JSON structure
+    instead of a sentence, one that loses a fact, or not about those facts."""
     rewrite = (text or "").strip()
-    if not rewrite or len(rewrite) > MERGED_CONTENT_MAX_CHARS or rewrite[0] in "[{" or _drops_a_fact(rewrite, facts):
+    if not rewrite or len(rewrite) > MERGED_CONTENT_MAX_CHARS or rewrite[0] in "[{":
+        return None
+    if _drops_a_fact(rewrite, existing, incoming):
         return None
     if relatedness is None:
         return rewrite
-    scores = await relatedness(rewrite, facts)
-    return rewrite if len(scores) == len(facts) and min(scores) >= REWRITE_FLOOR else None
+    scores = await relatedness(rewrite, [existing, incoming])
+    return rewrite if len(scores) == 2 and min(scores) >= REWRITE_FLOOR else None
 
 
-def _drops_a_fact(rewrite: str, facts: list[str]) -> bool:
-    """Under REWRITE_MIN_SHARE of the longer fact, or a copy of a fact that another, longer one adds to (the model
-    kept the stored fact and dropped the new detail): a fact would be lost."""
-    text, stated = normalize_content(rewrite), [normalize_content(fact) for fact in facts]
-    longest = max(map(len, stated), default=0)
-    return len(text) < REWRITE_MIN_SHARE * longest or (text in stated and len(text) < longest)
+def _drops_a_fact(rewrite: str, existing: str, incoming: str) -> bool:
+    """Under REWRITE_MIN_SHARE of the shorter fact, or the stored fact copied back where the new one changes it
+    (a value, a negation, an order: "lives in Berlin" for a new "lives in Munich"): a fact would be lost. The new
+    fact copied is a merge: where they conflict, it wins."""
+    text = normalize_content(rewrite)
+    if len(text) < REWRITE_MIN_SHARE * min(len(normalize_content(existing)), len(normalize_content(incoming))):
+        return True
+    return text == normalize_content(existing) != normalize_content(incoming) and (
+        meaning_change(existing, incoming) is not None
+    )
 
 
 async def _apply_verdict(
@@ -185,13 +195,15 @@ async def _apply_verdict(
     if verdict.target is None:
         return None
     if verdict.operation is Operation.SKIP:
-        if meaning_change(verdict.target.content, incoming.content) is not None:
-            return None  # skipping a changed fact loses it: the guarded rule decides, as for a guarded memory
+        # Where a guarded memory would skip only a fact the guard sees unchanged, so may arbitration; below the
+        # duplicate threshold the guard's cheap rules misread a richer stored fact as a changed one.
+        changed = meaning_change(verdict.target.content, incoming.content)
+        if verdict.target.score >= incoming.duplicate_threshold and changed is not None:
+            return None  # skipping a changed fact loses it: the guarded rule decides
         return Decision(WriteAction.SKIPPED, rule, verdict.target)
     if verdict.operation is Operation.SUPERSEDE:
         return Decision(WriteAction.SUPERSEDED, rule, verdict.target)
-    facts = [verdict.target.content, incoming.content]
-    merged = await _usable_rewrite(verdict.content, facts, relatedness)
+    merged = await _usable_rewrite(verdict.content, verdict.target.content, incoming.content, relatedness)
     if merged is None:
         return None
     return Decision(WriteAction.UPDATED, rule, verdict.target, merged_content=merged)
@@ -221,7 +233,7 @@ async def _seed_rule(
         merged = await consolidate(nearest.content, incoming.content)
     except Exception:  # noqa: BLE001 - the seed: a failed completion creates instead
         merged = None
-    merged = await _usable_rewrite(merged, [nearest.content, incoming.content], relatedness)
+    merged = await _usable_rewrite(merged, nearest.content, incoming.content, relatedness)
     if merged is None:
         return Decision(WriteAction.CREATED, Rule.MERGE_FAILED, nearest)
     return Decision(WriteAction.UPDATED, Rule.MERGED, nearest, merged_content=merged)

@@ -153,10 +153,14 @@ async def test_arbitration_operations_on_a_target(operation, content, action, me
     assert decision.merged_content == merged and decision.rule == f"arbitrated:{operation}"
 
 
-async def test_a_verdict_to_skip_a_changed_fact_is_refused() -> None:
+async def test_a_verdict_to_skip_a_changed_near_duplicate_is_refused() -> None:
     # "Customer prefers phone calls over email" is no copy of "Customer prefers email over phone calls".
     decision = await arbitrated(verdict(Operation.SKIP, near(0.99)), [near(0.99), OTHER])
     assert decision.action is WriteAction.CREATED and decision.rule == "arbitration_failed:guard:order"
+    # Below the duplicate threshold the model decides: a richer stored fact reads as "changed" to the cheap rules.
+    richer = near(0.8, "Customer prefers phone calls over email, and texts on weekends at 9am")
+    kept = await arbitrated(verdict(Operation.SKIP, richer), [richer])
+    assert kept.action is WriteAction.SKIPPED and kept.rule == "arbitrated:skip"
 
 
 async def test_arbitration_add_creates() -> None:
@@ -261,12 +265,18 @@ async def test_a_merge_must_still_state_both_facts(reply, relatedness, rule) -> 
         assert decision.action is WriteAction.CREATED and decision.merged_content is None
 
 
-async def test_a_rewrite_that_keeps_the_shorter_fact_only_drops_the_other() -> None:
+async def test_a_rewrite_that_copies_one_fact_must_not_lose_what_the_other_changes() -> None:
+    berlin, munich = "User lives in Berlin with his wife and two kids", "User lives in Munich with his wife and two kids"
     detailed = EXISTING + ", especially in the morning"
     for existing, incoming, reply, rule in [
-        (EXISTING, detailed, EXISTING + ".", Rule.MERGE_FAILED),  # the new detail dropped
+        (berlin, munich, berlin + ".", Rule.MERGE_FAILED),  # the move to Munich lost
+        (berlin, munich, munich, Rule.MERGED),  # the new fact wins
         (EXISTING, detailed, detailed, Rule.MERGED),  # the new fact says all the old one did
         (detailed, EXISTING, detailed, Rule.MERGED),  # the stored fact says all the new one does
+        ("User prefers email.", "User prefers to be contacted by email.", "User prefers email.", Rule.MERGED),
+        # Where they conflict the new fact wins, however short it is beside the old one.
+        ("Bob works at Acme as a senior engineer in the Lisbon office since 2019", "Bob works at Globex",
+         "Bob works at Globex.", Rule.MERGED),
     ]:
         decision = await decide(
             IncomingWrite(content=incoming, duplicate_threshold=0.95), exact_match=None,
