@@ -272,15 +272,12 @@ class Extractor:
         ]
         # One memory, so the writer decides them one at a time anyway; submitting together saves round trips.
         outcomes = await asyncio.gather(*(self._gateway.submit(w, timeout=self._write_timeout) for w in writes))
-        queued = outcomes.count(None)
-        refused = sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome))
-        if queued or refused:
-            # A redelivery of this turn finds the decided writes by their ids, waits for the queued ones and
-            # submits the refused ones again; counted as failed, a fact refused while the embedder was down
-            # would be lost for good.
-            raise WritesPending(
-                f"{queued} of {len(writes)} writes not decided in time, {refused} refused while a dependency was down"
-            )
+        # Extracted again, the turn finds the decided writes by their ids, waits for the queued ones and submits
+        # the refused ones again; counted as failed, a fact refused while the embedder was down would be lost.
+        if refused := sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome)):
+            raise WritesRefused(f"{refused} of {len(writes)} writes refused while a dependency was down")
+        if queued := outcomes.count(None):
+            raise WritesPending(f"{queued} of {len(writes)} writes not decided in time")
         counts = {"created": 0, "updated": 0, "skipped": 0, "failed": 0}
         for outcome in outcomes:
             assert outcome is not None
@@ -303,7 +300,12 @@ class Extractor:
 
 
 class WritesPending(Exception):
-    """Some candidate writes were not decided in time, or were refused for now (503); the event is retried."""
+    """Some candidate writes were not decided in time; the event is retried."""
+
+
+class WritesRefused(Exception):
+    """Some candidate writes were refused for now (503: the embedder down), an outage: the turn waits, then writes
+    them again."""
 
 
 def _refused_for_now(outcome: MemoryWriteOutcome) -> bool:

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, registry
 from shared.events import GenerationAgent, GenerationCompleted, utcnow
-from shared.extraction import Extractor, WritesPending
+from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
@@ -226,7 +226,7 @@ async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_tur
     model = llm.script("extract-embedder-down", json.dumps(FACTS[:2]))
     event = turn_event(memory, model, "gen_embedder_down")
 
-    with pytest.raises(WritesPending, match="2 refused"):  # not a completed turn with two failed facts
+    with pytest.raises(WritesRefused, match="2 of 2 writes refused"):  # not a completed turn with two failed facts
         await Extractor(sessions, WriterWithoutEmbedder(sessions), llm_timeout=5, write_timeout=15).extract(event)  # type: ignore[arg-type]
     async with direct_gateway(settings, sessions) as gateway:
         result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
@@ -234,6 +234,38 @@ async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_tur
     assert result.summary.created == 2 and result.summary.failed == 0
     assert sorted(e["content"] for e in await entries(client, memory["id"])) == sorted(FACTS[:2])
     assert len(llm.calls_to("extract-embedder-down")) == 1  # the retry writes the facts the model gave first
+
+
+async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settings: Settings) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from services.extractor.main import ExtractorService
+    from shared.events import ExtractionSummary
+    from shared.write_gateway import BusUnavailable
+
+    done = ExtractionResult("completed", None, ExtractionSummary())
+    outcomes: list[Any] = [
+        OperationalError("SELECT 1", {}, Exception("the database is down")),
+        BusUnavailable("no servers"),
+        WritesRefused("1 of 1 writes refused while a dependency was down"),
+        done,
+    ]
+
+    class ThroughOutages:
+        async def extract(self, _event: GenerationCompleted, **_options: Any) -> ExtractionResult:
+            outcome = outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+    service = ExtractorService(settings.model_copy(update={"memories_retry_backoff_s": 0.01}))
+    service._extractor = ThroughOutages()  # type: ignore[assignment]
+    event = GenerationCompleted(event_id="evt_x", project_id="proj_x", generation_id="gen_x", agent=GenerationAgent())
+    assert await service.extract_through_outages(event, arrived_at=None) is done and outcomes == []
+    # Anything else is the turn's own failure: handed to the caller, which counts it towards MEMORIES_MAX_DELIVER.
+    outcomes[:] = [WritesPending("1 of 1 writes not decided in time")]
+    with pytest.raises(WritesPending):
+        await service.extract_through_outages(event, arrived_at=None)
 
 
 async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_without_it(

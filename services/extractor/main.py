@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import datetime
 
 from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
@@ -19,7 +20,7 @@ from shared import bus, metrics
 from shared.consumer_process import ConsumerProcess
 from shared.db.session import session_factory
 from shared.events import ExtractionCompleted, GenerationCompleted
-from shared.extraction import ExtractionResult, Extractor, WritesPending
+from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.ids import new_id
 from shared.llm import LlmError
 from shared.logs import log_context
@@ -77,17 +78,13 @@ class ExtractorService(ConsumerProcess):
         heartbeat = asyncio.create_task(self._keep_in_progress(message))
         metadata = message.raw_message.metadata
         try:
-            result = await self._extractor.extract(event, arrived_at=metadata.timestamp if metadata else None)
+            result = await self.extract_through_outages(event, arrived_at=metadata.timestamp if metadata else None)
         except (LlmError, WritesPending) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return
         except Exception as exc:
-            if bus.is_outage(exc) or isinstance(exc, BusUnavailable):  # waited out, however long it lasts
-                log.warning("extraction waits for the database or the bus: %s", exc)
-                await message.nack(delay=2.0)
-                return
-            # Anything else would fail the same way on every delivery: retried as a model failure is, then
-            # dead-lettered, not retried for ever (asking the model again each time).
+            # It would fail the same way on every delivery: retried as a model failure is, then dead-lettered,
+            # not retried for ever (asking the model again each time).
             log.exception("extraction failed")
             await self._retry_or_give_up(message, event, f"the extraction failed unexpectedly ({type(exc).__name__})")
             return
@@ -99,11 +96,30 @@ class ExtractorService(ConsumerProcess):
         await message.ack()
         await self._announce(event, result)
 
+    async def extract_through_outages(self, event: GenerationCompleted, *, arrived_at: datetime | None) -> ExtractionResult:
+        """The turn's extraction. An outage (the database, the bus, the embedder refusing writes) is waited out in
+        place, the message kept in progress: handed back, each delivery would count towards MEMORIES_MAX_DELIVER,
+        and a turn held through an outage would be dead-lettered at its first real failure."""
+        assert self._extractor is not None
+        pause = self.settings.memories_retry_backoff_s
+        while True:
+            try:
+                return await self._extractor.extract(event, arrived_at=arrived_at)
+            except Exception as exc:
+                if not (bus.is_outage(exc) or isinstance(exc, BusUnavailable | WritesRefused)):
+                    raise
+                log.warning("extraction waits out an outage: %s", str(exc) or type(exc).__name__)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
     async def _keep_in_progress(self, message: NatsMessage) -> None:
         """A slow model must not let the ack wait expire: that would hand the turn to another replica."""
         while True:
             await asyncio.sleep(self.settings.memories_ack_wait_s / 3)
-            await message.in_progress()
+            try:
+                await message.in_progress()
+            except Exception as exc:  # noqa: BLE001 - the bus is down: try again next time; the turn is not lost
+                log.warning("could not keep the turn in progress: %s", str(exc) or type(exc).__name__)
 
     async def _retry_or_give_up(self, message: NatsMessage, event: GenerationCompleted, reason: str) -> None:
         assert self._extractor is not None and self.nc is not None
