@@ -30,7 +30,7 @@ from shared.client import (
     SourceType,
     WritePolicy,
 )
-from shared.client.bulk import ImportSummary, ProgressBar, import_lines, parse_lines, strict_json
+from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines, strict_json
 from shared.settings import get_settings
 
 Command = Callable[[MemoriesClient, argparse.Namespace], Any]
@@ -347,7 +347,7 @@ def run_import(args: argparse.Namespace) -> int:
         print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
     summary = ImportSummary()
-    lines = parse_lines(text, summary)
+    lines = parse_lines(text, summary, earlier_digest=file_digest(data))
     bar = ProgressBar()
     url, token = connection(args)
 

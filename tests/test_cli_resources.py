@@ -14,7 +14,8 @@ import pytest
 
 from services.cli import main
 from services.cli_resources import display_width, print_table
-from shared.client import MemoriesClient
+from shared.client import AsyncMemoriesClient
+from shared.client.bulk import file_digest
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings, get_settings
 from tests.conftest import ADMIN_TOKEN
@@ -311,6 +312,23 @@ async def test_an_import_run_again_after_a_fix_writes_again_only_the_fixed_line(
     assert contents == ["Paul moved to Berlin", "Rita rides"]
 
 
+async def test_a_file_imported_by_the_previous_version_is_not_written_again(
+    cli: Cli, memory_id: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "old.jsonl"
+    source.write_text(json.dumps({"memory_id": memory_id, "content": "Vera plays chess"}) + "\n")
+    # Imported before lines had keys of their own: the file's hash and the line number; deleted since.
+    earlier_key = f"import:{file_digest(source.read_bytes())}:1"
+    async with AsyncMemoriesClient(cli.url, ADMIN_TOKEN) as admin:  # async: the writers run on this loop
+        written = await admin.create_entry(memory_id, "Vera plays chess", idempotency_key=earlier_key)
+        assert written.entry is not None
+        await admin.delete_entry(written.entry.id)
+    code, out, err = await cli("import", str(source), "--json")
+    assert code == 0, err
+    assert (json.loads(out)["created"], json.loads(out)["already_imported"]) == (0, 1)
+    assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
+
+
 async def test_an_import_line_that_cannot_be_sent_fails_alone(cli: Cli, memory_id: str, tmp_path: Path) -> None:
     source = tmp_path / "odd.jsonl"
     good = {"memory_id": memory_id, "content": "Alice likes tea"}
@@ -341,8 +359,8 @@ async def test_failures_past_the_listed_ones_are_counted(cli: Cli, memory_id: st
 
 
 async def test_a_key_that_may_only_write_can_import(cli: Cli, memory_id: str, project_id: str, tmp_path: Path) -> None:
-    with MemoriesClient(cli.url, ADMIN_TOKEN) as admin:
-        key = admin.create_api_key(project_id, ["memories:CreateMemoryEntry"]).key
+    async with AsyncMemoriesClient(cli.url, ADMIN_TOKEN) as admin:
+        key = (await admin.create_api_key(project_id, ["memories:CreateMemoryEntry"])).key
     source = tmp_path / "writer.jsonl"
     source.write_text(json.dumps({"memory_id": memory_id, "content": "Written by a narrow key"}) + "\n")
     code, out, err = await cli.raw("import", str(source), "--json", "--url", cli.url, "--token", key)

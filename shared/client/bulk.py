@@ -17,7 +17,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from shared.client._clients import AsyncMemoriesClient
@@ -43,6 +43,7 @@ class ImportLine:
     tags: list[str] | None = None
     metadata: dict[str, Any] | None = None
     key_of_its_own: bool = False  # given on the line, not made from its text
+    earlier_key: str | None = None  # the key an import before 2026-12-01 gave it: the file's hash and the line number
 
 
 @dataclass
@@ -104,7 +105,12 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_lines(text: str, summary: ImportSummary) -> list[ImportLine]:
+def file_digest(data: bytes) -> str:
+    """The file's part of the key that imports before 2026-12-01 gave a line (`ImportLine.earlier_key`)."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def parse_lines(text: str, summary: ImportSummary, earlier_digest: str | None = None) -> list[ImportLine]:
     """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored.
 
     Lines end at "\n" (a "\r" before it is dropped) and nowhere else: U+2028, U+0085 and the like may stand
@@ -117,9 +123,13 @@ def parse_lines(text: str, summary: ImportSummary) -> list[ImportLine]:
             continue
         summary.total += 1
         try:
-            lines.append(_parse(number, raw, seen))
+            line = _parse(number, raw, seen)
         except BadLine as exc:
             summary.fail(number, str(exc))
+            continue
+        if earlier_digest is not None and not line.key_of_its_own:
+            line = replace(line, earlier_key=f"import:{earlier_digest}:{number}")
+        lines.append(line)
     return lines
 
 
@@ -198,7 +208,11 @@ async def _write(
     client: AsyncMemoriesClient, project_id: str | None, line: ImportLine, summary: ImportSummary
 ) -> None:
     try:
-        already = project_id is not None and await _already_written(client, project_id, line.idempotency_key)
+        already = project_id is not None and (
+            await _already_written(client, project_id, line.idempotency_key)
+            # The same file imported before its lines had keys of their own (2026-12-01): not written again.
+            or (line.earlier_key is not None and await _already_written(client, project_id, line.earlier_key))
+        )
         if already and not line.key_of_its_own:
             # Its key is its text: nothing to learn by sending it again (and its entry may be gone since: a 409).
             summary.counts["skipped"] += 1
