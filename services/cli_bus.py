@@ -98,6 +98,10 @@ def cmd_bus_prune(_args: argparse.Namespace) -> int:
     deleted, busy = pruned
     print(f"deleted: {', '.join(deleted) or 'none'}")
     if busy:
-        print(f"kept, messages still wait on them (drain first): {', '.join(busy)}", file=sys.stderr)
+        print(
+            f"kept, messages still wait on them or writers of the old count still pull from them (stop those writers,"
+            f" let them drain, then prune again): {', '.join(busy)}",
+            file=sys.stderr,
+        )
         return 1
     return 0

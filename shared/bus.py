@@ -247,6 +247,7 @@ class ConsumerState:
     pending: int  # not yet delivered
     in_flight: int  # delivered, not acknowledged
     redelivered: int
+    pulling: int  # pull requests waiting: a writer still consumes from it
     role: Literal["layout", "stale", "other"]
     """stale: a writer partition beyond the count; other: not the service's (an integrator's, say)."""
 
@@ -296,15 +297,17 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
             partition = _writer_partition(info.name) if name == WRITES_STREAM else None
             stale = partition is not None and partitions is not None and partition >= partitions
             role = "stale" if stale else "layout" if (name, info.name) in planned else "other"
-            counts = (info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
+            counts = (
+                info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, info.num_waiting or 0
+            )
             states.append(ConsumerState(name, info.name, *counts, role=role))
     return BusStatus(partitions, queued, states)
 
 
 async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[list[str], list[str]]:
     """Delete the writer partition consumers beyond the count MEMORY_WRITES is laid out for (`writer-p<N>`… after
-    the count was lowered), unless a message still waits on one (it would be lost with it): (deleted, kept because
-    busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
+    the count was lowered), unless a message still waits on one (it would be lost with it) or a writer of the old
+    count still pulls from it (a write it takes after its consumer is gone is stuck): (deleted, kept because busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
     Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
     status = await bus_status(js, settings)
     if status.partitions != settings.memories_partitions:
@@ -316,7 +319,7 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
     for state in status.consumers:
         if state.role != "stale":
             continue
-        if state.pending or state.in_flight:
+        if state.pending or state.in_flight or state.pulling:
             busy.append(state.consumer)
         else:
             await js.delete_consumer(state.stream, state.consumer)
@@ -353,7 +356,14 @@ async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
     tries each server a few times, then raises BusUnreachable instead of hanging."""
     if not one_shot:
         return await nats.connect(
-            servers=url.split(","), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
+            servers=url.split(","),
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            # A server that hangs (not one that closes) is left after ~45 s, not nats-py's default ~4 minutes.
+            ping_interval=15,
+            max_outstanding_pings=3,
         )
 
     async def quiet(_error: Exception) -> None:  # each failed attempt; the caller reports the last
@@ -369,7 +379,10 @@ async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
             error_cb=quiet,
         )
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
-        raise BusUnreachable(f"cannot reach NATS at {url}: {type(exc).__name__} {exc}".rstrip()) from exc
+        from shared.agents import redact_address
+
+        servers = ",".join(redact_address(server) for server in url.split(","))  # no password in a Job's log
+        raise BusUnreachable(f"cannot reach NATS at {servers}: {type(exc).__name__} {exc}".rstrip()) from exc
 
 
 def is_outage(exc: BaseException) -> bool:

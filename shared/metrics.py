@@ -133,7 +133,7 @@ CONSUMER_REDELIVERIES = _gauge(
     "consumer",
 )
 STREAM_MESSAGES = _gauge(
-    "memories_stream_messages", "Messages stored in the stream (DEAD_LETTERS: its backlog)", "stream"
+    "memories_stream_messages", "Messages stored in the stream (DEAD_LETTERS: its backlog; MEMORY_WRITES: writes queued)", "stream"
 )
 LAG_POLL_ERRORS = _counter("memories_lag_poll_errors", "Lag polls that could not read JetStream")
 
@@ -323,7 +323,7 @@ def _forget(gauges: Iterable[Gauge], *labels: str) -> None:
 async def poll_consumer_lag(
     js: JetStreamContext,
     consumers: Iterable[ConsumerRef],
-    streams: Iterable[str] = (bus.DEAD_LETTER_STREAM,),
+    streams: Iterable[str] = (bus.DEAD_LETTER_STREAM, bus.WRITES_STREAM),
 ) -> None:
     """One pass: set the lag gauges of `consumers` and the message gauges of `streams`.
 
@@ -351,7 +351,7 @@ async def poll_consumer_lag(
 async def run_lag_poller(
     js: JetStreamContext,
     consumers: Sequence[ConsumerRef],
-    streams: Sequence[str] = (bus.DEAD_LETTER_STREAM,),
+    streams: Sequence[str] = (bus.DEAD_LETTER_STREAM, bus.WRITES_STREAM),
     interval_s: float = LAG_POLL_INTERVAL_S,
 ) -> None:
     """Poll until cancelled; run it as a task next to the consumers. Failures are counted, not raised."""

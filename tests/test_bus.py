@@ -96,3 +96,9 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
             assert await bus.recorded_partitions(js) == 4
         finally:
             await nc.close()
+
+
+async def test_a_one_shot_command_that_cannot_reach_nats_does_not_print_its_password() -> None:
+    with pytest.raises(bus.BusUnreachable) as unreachable:
+        await bus.connect("nats://admin:S3cretNatsPw@127.0.0.1:1", name="test", one_shot=True)
+    assert "S3cretNatsPw" not in str(unreachable.value) and "127.0.0.1:1" in str(unreachable.value)

@@ -4,6 +4,8 @@ stream layout that `memories bus init` applies is applied for real to a 3-node J
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -406,15 +408,28 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
         waiting = bus.writer_durable(partitions - 1)
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
+        # A writer of the old count still pulling from a dropped partition: its consumer is kept too.
+        pulled = bus.writer_durable(partitions - 2)
+        old_writer = await js.pull_subscribe_bind(durable=pulled, stream=bus.WRITES_STREAM)
+        pulling = asyncio.create_task(old_writer.fetch(batch=1, timeout=20))
+        while not (await js.consumer_info(bus.WRITES_STREAM, pulled)).num_waiting:
+            await asyncio.sleep(0.05)
         pruned = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half)
-        assert pruned.returncode == 1 and waiting in pruned.stderr
+        assert pruned.returncode == 1 and waiting in pruned.stderr and pulled in pruned.stderr
         left = {c.name for c in await js.consumers_info(bus.WRITES_STREAM)}
-        assert left == {bus.writer_durable(p) for p in range(partitions // 2)} | {waiting}
+        assert left == {bus.writer_durable(p) for p in range(partitions // 2)} | {waiting, pulled}
         assert "crm-sync" in {c.name for c in await js.consumers_info(bus.EVENTS_STREAM)}
+        pulling.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await pulling
+        await old_writer.unsubscribe()
         drained = await js.pull_subscribe_bind(durable=waiting, stream=bus.WRITES_STREAM)
         [message] = await drained.fetch(batch=1, timeout=5)
         await message.ack_sync()
         await drained.unsubscribe()
+        for consumer in (pulled, waiting):  # their pull requests expire
+            while (await js.consumer_info(bus.WRITES_STREAM, consumer)).num_waiting:
+                await asyncio.sleep(0.2)
         assert run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half).returncode == 0
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions // 2
     finally:

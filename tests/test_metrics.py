@@ -222,6 +222,9 @@ async def test_lag_poller_sets_a_gauge_per_consumer_of_the_layout(nc: NatsClient
         assert sample("memories_consumer_pending", stream=stream, consumer=consumer) == info.num_pending
     dead = await js.stream_info(bus.DEAD_LETTER_STREAM)
     assert sample("memories_stream_messages", stream=bus.DEAD_LETTER_STREAM) == dead.state.messages
+    # Writes queued, whether a writer consumer sees them or not (one left on a partition since dropped).
+    queued = await js.stream_info(bus.WRITES_STREAM)
+    assert sample("memories_stream_messages", stream=bus.WRITES_STREAM) == queued.state.messages
 
 
 async def test_lag_poller_reads_backlog_and_redeliveries_and_forgets_deleted_consumers(
