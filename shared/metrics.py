@@ -145,6 +145,11 @@ for _source in SourceType:
     WRITE_LATENCY.labels(_source.value)
 for _outcome in ("completed", "skipped", "failed"):
     EXTRACTIONS.labels(_outcome)
+# A counter first seen at 2 has increase() 0 over its first scrapes: the first dead letters would never alert.
+for _origin in ("writer", "extractor"):
+    DEAD_LETTERS.labels(_origin)
+for _code in ("EMBEDDING_UNAVAILABLE", "INTERNAL_ERROR", "RESOURCE_NOT_FOUND"):
+    WRITE_FAILURES.labels(_code)
 
 
 def render() -> bytes:
@@ -210,6 +215,10 @@ def extraction_skip_label(reason: str | None) -> str:
 
 def observe_extraction_skip(reason: str | None) -> None:
     EXTRACTION_SKIPS.labels(extraction_skip_label(reason)).inc()
+
+
+for _reason in (*_TURN_GATE_REASONS, "turn_not_completed", "unknown_memory", "no_model", "other"):
+    EXTRACTION_SKIPS.labels(_reason)
 
 
 # --- model calls --------------------------------------------------------------------------------------

@@ -585,3 +585,26 @@ async def test_api_responses_are_counted_by_route_template_and_status(
     assert count("memories_http_responses_total", method="POST", route=entry_route, status="201") == before["created"] + 1
     assert count("memories_http_responses_total", method="GET", route=memory_route, status="404") == before["missing"] + 2
     assert count("memories_http_responses_total", method="GET", route="unmatched", status="404") == before["unmatched"] + 1
+
+
+def test_failure_counters_exist_at_zero_before_the_first_failure() -> None:
+    # Prometheus' increase() of a counter first scraped at 2 is 0: the first dead letters would never alert. A
+    # fresh process, since this one's tests have counted failures already.
+    script = (
+        "from shared import metrics\n"
+        "for m in metrics.REGISTRY.collect():\n"
+        "    for s in m.samples:\n"
+        "        if s.name.endswith('_total') and s.value == 0:\n"
+        "            print(s.name, *sorted(s.labels.values()))\n"
+    )
+    started = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    at_zero = set(started.stdout.splitlines())
+    for series in [
+        "memories_dead_letters_total writer",
+        "memories_dead_letters_total extractor",
+        "memories_write_failures_total EMBEDDING_UNAVAILABLE",
+        "memories_write_failures_total INTERNAL_ERROR",
+        "memories_extraction_skips_total nothing_said",
+        "memories_extraction_skips_total no_model",
+    ]:
+        assert series in at_zero, series
