@@ -40,6 +40,7 @@ from shared.events import (
 )
 from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
+from shared.logs import log_context
 from shared.repository import HistoryRow, OutcomeRow
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
@@ -229,9 +230,12 @@ class WriteApplier:
                 outcome = earlier[event.write_id].applied.outcome
                 decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
                 continue
-            result = await self._decide_locked(
-                session, event, one.digest, one.embedding, stored.get(event.write_id), memories.get(event.memory_id), copies
-            )
+            # Lines logged while deciding it (a model's failure, say) name the write, whichever task runs the batch.
+            with log_context(write_id=event.write_id, memory_id=event.memory_id):
+                result = await self._decide_locked(
+                    session, event, one.digest, one.embedding, stored.get(event.write_id), memories.get(event.memory_id),
+                    copies,
+                )
             earlier[event.write_id] = result
             decided.append(result)
         # The entries as the batch leaves them go with the outcomes, so a waiting caller need not read them back.

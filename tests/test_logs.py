@@ -194,3 +194,23 @@ async def test_a_dead_letter_line_names_what_it_can_of_an_undecodable_write(
     [line] = [line for line in parsed_lines(json_lines) if line.get("memory_id") == "mem_unreadable"]
     assert line["level"] == "ERROR" and line["message"].startswith("dead-lettering message from")
     assert (line["write_id"], line["origin"]) == ("wr_unreadable", "writer")
+
+
+async def test_a_model_steps_line_names_the_write_and_the_memory(
+    client: httpx.AsyncClient, memory: dict[str, Any], json_lines: io.StringIO
+) -> None:
+    from shared.scripted_llm import scripted_llm
+
+    model = scripted_llm().script("merge-down-logged", RuntimeError("provider down"))
+
+    async def tool_write(content: str) -> None:
+        agent = {"id": "agent_1", "model": model, "knowledge_config": {"write_memory_id": memory["id"]}}
+        body = {"content": content, "agent": agent, "project_id": memory["project_id"]}
+        response = await client.post("/tools/write_memory", json=body)
+        assert response.status_code == 200 and response.json()["action"] == "created", response.text
+
+    await tool_write("Customer prefers email over phone calls")
+    await tool_write("Customer prefers email over phone calls, ideally in the morning")  # similar: a merge is asked
+    [failed] = [line for line in parsed_lines(json_lines) if line.get("logger") == "memories.llm"]
+    assert "merge completion" in failed["message"]
+    assert failed["memory_id"] == memory["id"] and str(failed.get("write_id", "")).startswith("wr_")
