@@ -171,6 +171,14 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         runner.run(main)
 
 
+def _missing_servers(settings: Settings, command: str) -> bool:
+    """A service run on its own needs its servers named (`memories up` starts its own); says so in one line."""
+    missing = [name for name, url in (("DATABASE_URL", settings.database_url), ("NATS_URL", settings.nats_url)) if not url]
+    if missing:
+        print(f"memories {command}: {' and '.join(missing)} not set (or run `memories up`)", file=sys.stderr)
+    return bool(missing)
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -178,6 +186,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     from services.api.main import create_app
 
     settings = get_settings()
+    if _missing_servers(settings, "api"):
+        return 2
     uvicorn.run(
         create_app(settings),
         host=args.host or settings.memories_host,
@@ -199,6 +209,8 @@ def cmd_writer(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"memories writer: {exc}", file=sys.stderr)
         return 2
+    if _missing_servers(settings, "writer"):
+        return 2
     run_service(run(settings, partitions))
     return 0
 
@@ -206,7 +218,10 @@ def cmd_writer(args: argparse.Namespace) -> int:
 def cmd_extractor(_args: argparse.Namespace) -> int:
     from services.extractor.main import run
 
-    run_service(run(get_settings()))
+    settings = get_settings()
+    if _missing_servers(settings, "extractor"):
+        return 2
+    run_service(run(settings))
     return 0
 
 

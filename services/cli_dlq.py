@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     listing.add_argument("--json", action="store_true", help="one JSON object per line, with the body")
     listing.set_defaults(func=cmd_dlq_list)
     replay = verbs.add_parser("replay", help="republish to the original subject, then delete the dead letter")
-    replay.add_argument("sequences", nargs="*", type=int, metavar="SEQ", help="sequences shown by `dlq list`")
+    replay.add_argument("sequences", nargs="*", type=_sequence, metavar="SEQ", help="sequences shown by `dlq list`")
     replay.add_argument("--all", action="store_true", help="every dead letter (of --origin, if given)")
     replay.add_argument("--origin", choices=ORIGINS, help="with --all: only this service's dead letters")
     replay.set_defaults(func=cmd_dlq_replay)
@@ -32,6 +32,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _sequence(text: str) -> int:
+    value = int(text)
+    if value < 1:  # a stream's sequences start at 1; NATS would answer 0 or less with a raw error
+        raise argparse.ArgumentTypeError(f"a sequence is 1 or more, not {value}")
     return value
 
 

@@ -199,6 +199,9 @@ async def test_replay_all_of_one_origin_and_letters_that_cannot_be_replayed(dlq_
 
     assert dlq_bus.cli("replay").returncode == 2  # neither sequences nor --all
     assert dlq_bus.cli("replay", "1", "--origin", "writer").returncode == 2
+    for sequence in ("0", "-5"):  # sequences start at 1: a usage error, not NATS' raw refusal
+        refused = dlq_bus.cli("replay", "1", sequence)
+        assert refused.returncode == 2 and "a sequence is 1 or more" in refused.stderr
 
 
 def _failures() -> float:
