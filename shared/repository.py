@@ -74,9 +74,15 @@ def tags_match_any(column: Any, patterns: Sequence[str]) -> Any:
 
 
 async def _page(session: AsyncSession, query: Select[Any], limit: int, offset: int) -> tuple[list[Any], int]:
-    total = await session.scalar(select(func.count()).select_from(query.order_by(None).subquery()))
-    rows = (await session.scalars(query.limit(limit).offset(offset))).all()
-    return list(rows), int(total or 0)
+    """A page and the total, counted by the statement that reads the page: in two statements (each its own
+    snapshot in autocommit) a write between them made the total disagree with the rows."""
+    rows = (await session.execute(query.add_columns(func.count().over()).limit(limit).offset(offset))).all()
+    if rows:
+        return [row[0] for row in rows], int(rows[0][1])
+    if offset == 0:
+        return [], 0
+    # Past the end: no row carries the total.
+    return [], int(await session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0)
 
 
 # Projects ---------------------------------------------------------------------------------------

@@ -169,6 +169,8 @@ async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project
     page = (await client.get("/memories", params={"project_id": project["id"], "limit": 2, "offset": 1})).json()
     assert page["total"] == 5 and page["limit"] == 2 and page["offset"] == 1
     assert [m["name"] for m in page["data"]] == ["m1", "m2"]
+    past_the_end = (await client.get("/memories", params={"project_id": project["id"], "offset": 7})).json()
+    assert past_the_end["data"] == [] and past_the_end["total"] == 5
     clamped = (await client.get("/memories", params={"project_id": project["id"], "limit": 1000})).json()
     assert clamped["limit"] == 100
     assert (await client.get("/memories", params={"project_id": project["id"], "limit": 0})).json()["limit"] == 1
