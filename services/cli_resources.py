@@ -368,6 +368,8 @@ def run_import(args: argparse.Namespace) -> int:
         print(f"line {number}: {reason}", file=sys.stderr)
     if summary.unlisted_failures:
         print(f"… and {summary.unlisted_failures} more failed lines, not listed", file=sys.stderr)
+    for number, write_id in sorted(summary.pending):
+        print(f"line {number}: not decided yet, write {write_id} (`memories get-memory-write {write_id}`)", file=sys.stderr)
     print(json.dumps(summary.as_json(), indent=2) if args.json else summary.describe())
     return 1 if summary.counts["failed"] else 0
 

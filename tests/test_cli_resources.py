@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.cli import main
 from services.cli_resources import display_width, print_table
+from shared import repository as repo
 from shared.client import AsyncMemoriesClient
 from shared.client.bulk import file_digest
 from shared.servers import LOOPBACK, free_port
@@ -327,6 +329,22 @@ async def test_a_file_imported_by_the_previous_version_is_not_written_again(
     assert code == 0, err
     assert (json.loads(out)["created"], json.loads(out)["already_imported"]) == (0, 1)
     assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
+
+
+async def test_an_import_line_not_decided_in_time_is_named_with_its_write(
+    settings: Settings, memory_id: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    source = tmp_path / "slow.jsonl"
+    source.write_text(json.dumps({"memory_id": memory_id, "content": "Wanda waits for her write"}) + "\n")
+    with serve_api(settings.model_copy(update={"memories_write_timeout_s": 0.5})) as impatient_api:
+        async with sessions() as holder, holder.begin():  # the memory is busy: its write waits past the timeout
+            await repo.lock_memories(holder, [memory_id])
+            code, out, err = await Cli(impatient_api, capsys)("import", str(source), "--json")
+    summary = json.loads(out)
+    assert code == 0 and summary["pending"] == 1
+    [pending] = summary["pending_writes"]
+    assert pending["line"] == 1 and f"memories get-memory-write {pending['write_id']}" in err
 
 
 async def test_an_import_line_that_cannot_be_sent_fails_alone(cli: Cli, memory_id: str, tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ class ImportSummary:
     counts: Counter[str] = field(default_factory=Counter)
     already_imported: int = 0
     failures: list[tuple[int, str]] = field(default_factory=list)
+    pending: list[tuple[int, str]] = field(default_factory=list)  # (line, write id) of writes not decided in time
 
     @property
     def done(self) -> int:
@@ -89,6 +90,7 @@ class ImportSummary:
             "already_imported": self.already_imported,
             "failures": failures,
             "failures_not_listed": self.unlisted_failures,
+            "pending_writes": [{"line": number, "write_id": write_id} for number, write_id in sorted(self.pending)],
         }
 
 
@@ -236,6 +238,8 @@ async def _write(
         summary.already_imported += 1
         return
     summary.counts[written.action.value if written.action else written.status] += 1
+    if written.status == "pending":
+        summary.pending.append((line.number, written.write_id))
 
 
 def _reason(error: MemoriesError) -> str:
