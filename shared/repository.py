@@ -309,7 +309,7 @@ async def insert_entry(session: AsyncSession, **values: Any) -> str:
 async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[str, Any]) -> MemoryEntry:
     for field, value in changes.items():
         setattr(entry, field, value)
-    entry.updated_at = func.clock_timestamp()  # as the entry's other times (migration 0009)
+    entry.updated_at = func.statement_timestamp()  # as the entry's other times (migration 0009)
     await session.flush()
     await session.refresh(entry)
     return entry

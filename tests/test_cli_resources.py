@@ -255,6 +255,7 @@ async def test_import_twice_writes_nothing_twice(
         {"memory_id": other, "content": "The customer lives in Porto", "metadata": {"source": "crm"}},
         {"memory_id": memory_id, "content": "customer prefers email over phone calls."},  # a known fact
         {"memory_id": memory_id, "content": "Budget is 40,000 euros", "idempotency_key": "budget-1"},
+        {"memory_id": other, "content": "The customer rides a tandem", "idempotency_key": ""},  # "" is no key
     ]
     source = tmp_path / "facts.jsonl"
     source.write_text(
@@ -266,25 +267,20 @@ async def test_import_twice_writes_nothing_twice(
 
     code, out, err = await cli("import", str(source))
     assert code == 0, err
-    assert out.strip() == "4 lines: 3 created, 1 skipped (0 already imported), 0 failed"
-    assert "\r[" in err and f"[{'#' * 30}] 4/4  created 3  skipped 1  failed 0" in err
+    assert out.strip() == "5 lines: 4 created, 1 skipped (0 already imported), 0 failed"
+    assert "\r[" in err and f"[{'#' * 30}] 5/5  created 4  skipped 1  failed 0" in err
 
     code, out, err = await cli("import", str(source), "--json")
     assert code == 0, err
     summary = json.loads(out)
-    assert (summary["created"], summary["skipped"], summary["already_imported"], summary["failed"]) == (
-        0,
-        4,
-        4,
-        0,
-    )
+    assert (summary["created"], summary["skipped"], summary["already_imported"], summary["failed"]) == (0, 5, 5, 0)
     entries = (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]
     assert [e["content"] for e in entries] == [
         "Customer prefers email over phone calls",
         "Budget is 40,000 euros",
     ]
     assert entries[0]["tags"] == ["channel"]
-    assert (await cli.json("list-memory-entries", "--memory-id", other))["total"] == 1
+    assert (await cli.json("list-memory-entries", "--memory-id", other))["total"] == 2
 
 
 def line_text(memory_id: str, content: str, more: str = "", close: str = "}") -> str:

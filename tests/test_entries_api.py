@@ -30,6 +30,7 @@ async def test_create_then_repeat_is_skipped(client: httpx.AsyncClient, memory: 
     assert body["action"] == "created" and set(body) >= ENTRY_FIELDS
     assert body["id"].startswith("mem_entry_") and body["source_type"] == "manual"
     assert body["source_generation_id"] is None and body["invalidated_at"] is None
+    assert body["updated_at"] == body["created_at"]  # a fresh entry does not look edited
 
     for repeat in ("Customer prefers email over phone calls", "  customer PREFERS email over phone calls. "):
         skipped = await write(client, memory["id"], repeat)

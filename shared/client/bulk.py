@@ -157,7 +157,7 @@ def _parse(number: int, raw: str, seen: Counter[str]) -> ImportLine:
     key = value.get("idempotency_key")
     if key is not None and not isinstance(key, str):
         raise BadLine("idempotency_key must be a string")
-    if key is not None:
+    if key:  # "" is no key, as an earlier version read it
         return ImportLine(number, memory_id, content, key, tags, metadata, key_of_its_own=True)
     return ImportLine(number, memory_id, content, _line_key(value, seen), tags, metadata)
 

@@ -38,7 +38,7 @@ def _created() -> Mapped[datetime]:
 def _stamped_at_the_statement() -> Mapped[datetime]:
     """The statement's time, not the transaction's (migration 0009): an entry written under its memory's lock
     is then stamped after every entry of that memory committed before it."""
-    return mapped_column(DateTime(timezone=True), server_default=func.clock_timestamp(), nullable=False)
+    return mapped_column(DateTime(timezone=True), server_default=func.statement_timestamp(), nullable=False)
 
 
 class Project(Base):
