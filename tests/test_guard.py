@@ -90,6 +90,7 @@ TABLE: list[tuple[str, str, str | None]] = [
     ("The file is 1.5 MB.", "The file is 1.5MB.", None),
     ("The parcel weighs 2 kg.", "The parcel weighs 2 lb.", "value"),
     ("The parcel weighs 2 lbs.", "The parcel weighs 2lb.", None),
+    ("The API quota is 10\u2076 requests per day.", "The API quota is 106 requests per day.", "value"),
     ("The parcel weighs 2kg.", "The parcel weighs 2 lb.", "value"),
 ]
 
@@ -128,6 +129,11 @@ def test_normalize_content() -> None:
     assert normalize_content("Stra\u00dfe") == normalize_content("STRASSE")  # casefold, not lower
     assert normalize_content('Alice likes "tea".') == 'alice likes "tea"'  # inner quotes stay
     assert normalize_content("v3.11.") == "v3.11"
+    # Compatibility forms that change a number are kept: not the text's spelling, its meaning.
+    for kept, plain in [("10\u2076 requests", "106 requests"), ("Tier \u00b9 support", "Tier 1 support"),
+                        ("H\u2082O", "H2O"), ("\u00bd cup", "12 cup")]:
+        assert normalize_content(kept) != normalize_content(plain), kept
+    assert normalize_content("\uff21lice has 10\u2076") == normalize_content("Alice has 10\u2076")  # NFKC elsewhere
 
 
 def test_content_hash() -> None:
