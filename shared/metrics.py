@@ -364,10 +364,15 @@ async def run_lag_poller(
     interval_s: float = LAG_POLL_INTERVAL_S,
 ) -> None:
     """Poll until cancelled; run it as a task next to the consumers. Failures are counted, not raised."""
+    this = asyncio.current_task()
     while True:
         try:
             await poll_consumer_lag(js, consumers, streams)
         except Exception as exc:  # noqa: BLE001 - NATS away for a moment: try again next round
             LAG_POLL_ERRORS.inc()
             log.warning("could not read consumer lag: %s", exc or type(exc).__name__)
+        if this is not None and this.cancelling():
+            # Python 3.11's wait_for (under nats-py's requests) loses a cancellation that lands as the reply does;
+            # the request to stop still counts, or the service's shutdown would wait on this loop for ever.
+            raise asyncio.CancelledError
         await asyncio.sleep(interval_s)

@@ -608,3 +608,26 @@ def test_failure_counters_exist_at_zero_before_the_first_failure() -> None:
         "memories_extraction_skips_total no_model",
     ]:
         assert series in at_zero, series
+
+
+async def test_the_lag_poller_stops_when_a_request_swallowed_its_cancellation() -> None:
+    # Python 3.11's asyncio.wait_for, under every nats-py request, returns the reply and drops the cancellation
+    # when both land together: the shutdown that cancelled the poller then waited on it for ever.
+    class Info:
+        num_pending = num_ack_pending = num_redelivered = 0
+
+    class ReplyLandsAsItIsCancelled:
+        async def consumer_info(self, _stream: str, _consumer: str) -> Info:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass  # what wait_for does in that race
+            return Info()
+
+    poller = asyncio.create_task(
+        metrics.run_lag_poller(ReplyLandsAsItIsCancelled(), [("S", "c")], streams=[], interval_s=0.01)  # type: ignore[arg-type]
+    )
+    await asyncio.sleep(0.05)
+    poller.cancel()
+    done, _ = await asyncio.wait({poller}, timeout=2)
+    assert done == {poller} and poller.cancelled()
