@@ -100,6 +100,20 @@ async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) 
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/memory-entries", b'{"memory_id": "mem_\\ud800", "content": "x"}'),
+        ("/memories", b'{"project_id": "proj_\\udc80AAAAAAAAAAAAAAA", "name": "x"}'),
+        ("/knowledge/search", b'{"project_id": "proj_\\ud800", "query": "x"}'),
+    ],
+)
+async def test_an_id_with_a_lone_surrogate_is_404_not_500(client: httpx.AsyncClient, path: str, body: bytes) -> None:
+    # Valid JSON (an escape), and no UTF-8 text can hold it: the message that quotes the id must still be sent.
+    response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_envelope(response, 404)
+
+
+@pytest.mark.parametrize(
     ("subject", "origin"),
     [
         ("generations.completed.proj_AAAAAAAAAAAAAAAA", "extractor"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -66,11 +67,19 @@ def not_found(kind: str, identifier: str) -> ApiError:
     return ApiError(404, f"{kind} {identifier} not found")
 
 
+class _EnvelopeResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # A message may quote what the caller sent, and a JSON body can carry a lone surrogate (`"mem_\\ud800"`)
+        # that no UTF-8 text holds: escaped back as `\\ud800`, the envelope stays JSON, not a 500 and a reset.
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
+
+
 def envelope(status: int, message: str, *, code: str | None = None, meta: dict[str, Any] | None = None) -> JSONResponse:
     error: dict[str, Any] = {"code": code or _CODES.get(status, "INTERNAL_ERROR"), "message": message}
     if meta:
         error["meta"] = meta
-    return JSONResponse({"error": error}, status_code=status)
+    return _EnvelopeResponse({"error": error}, status_code=status)
 
 
 def _field(loc: tuple[Any, ...]) -> str:
