@@ -27,10 +27,10 @@ refusals, `[]`, `null`, "OK" score −0.04–0.25 against the facts; faithful me
 bottom of the merge band (a pair at 0.759 whose literal merge scores 0.744 against the older fact)."""
 
 REWRITE_MIN_SHARE = 0.5
-"""A rewrite under half the length of the shorter fact states neither: "Alice." for "Alice prefers email over phone
-calls." and "Alice prefers email, especially in the morning." still scores 0.53 and 0.55 against them, above
-REWRITE_FLOOR. (Measured against the longer fact instead, it refused good merges: where the facts conflict the new
-one wins, and "Bob works at Globex." rightly replaces a long sentence about his former employer.)"""
+"""A rewrite of two facts states both, so it reaches half the longer one: "Alice." for "Alice prefers email over
+phone calls." and "Alice prefers email, especially in the morning." still scores 0.53 and 0.55 against them, above
+REWRITE_FLOOR. Where the facts conflict the new one wins and may be short ("Bob works at Globex." for a long
+sentence about his former employer): then half the shorter fact."""
 
 ARBITRATION_FLOOR = 0.60
 ARBITRATION_SHORTLIST = 5
@@ -172,15 +172,15 @@ async def _usable_rewrite(
 
 
 def _drops_a_fact(rewrite: str, existing: str, incoming: str) -> bool:
-    """Under REWRITE_MIN_SHARE of the shorter fact, or the stored fact copied back where the new one changes it
-    (a value, a negation, an order: "lives in Berlin" for a new "lives in Munich"): a fact would be lost. The new
-    fact copied is a merge: where they conflict, it wins."""
-    text = normalize_content(rewrite)
-    if len(text) < REWRITE_MIN_SHARE * min(len(normalize_content(existing)), len(normalize_content(incoming))):
-        return True
-    return text == normalize_content(existing) != normalize_content(incoming) and (
-        meaning_change(existing, incoming) is not None
-    )
+    """Whether the rewrite loses a fact. Where the facts conflict (the guard sees a changed value, a negation or
+    an order), the new fact wins and may be short: the rewrite must reach half the shorter fact and must not copy
+    the stored one back. Otherwise it states both: it reaches half the longer fact, and if it copies one, that is
+    the longer (the one that may say all the other does; a copy of the shorter drops the other's detail)."""
+    text, stored, new = normalize_content(rewrite), normalize_content(existing), normalize_content(incoming)
+    if meaning_change(existing, incoming) is not None:
+        return len(text) < REWRITE_MIN_SHARE * min(len(stored), len(new)) or text == stored
+    longest = max(len(stored), len(new))
+    return len(text) < REWRITE_MIN_SHARE * longest or (text in (stored, new) and len(text) < longest)
 
 
 async def _apply_verdict(
@@ -195,11 +195,11 @@ async def _apply_verdict(
     if verdict.target is None:
         return None
     if verdict.operation is Operation.SKIP:
-        # Where a guarded memory would skip only a fact the guard sees unchanged, so may arbitration; below the
-        # duplicate threshold the guard's cheap rules misread a richer stored fact as a changed one.
-        changed = meaning_change(verdict.target.content, incoming.content)
-        if verdict.target.score >= incoming.duplicate_threshold and changed is not None:
-            return None  # skipping a changed fact loses it: the guarded rule decides
+        if meaning_change(verdict.target.content, incoming.content) is not None:
+            # Skipping a changed fact loses it: the guarded rule decides. Contradictions score below the duplicate
+            # threshold too (0.85-0.95), so this holds at any score; a richer stored fact the cheap rules read as
+            # changed is stored again rather than lost.
+            return None
         return Decision(WriteAction.SKIPPED, rule, verdict.target)
     if verdict.operation is Operation.SUPERSEDE:
         return Decision(WriteAction.SUPERSEDED, rule, verdict.target)

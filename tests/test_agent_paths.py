@@ -188,8 +188,9 @@ async def test_a_merge_reply_with_a_character_no_text_column_holds_is_stored_wit
         "I'm sorry, but I can't help with that.",
         "[]",
         '{"merged": "' + MERGED + '"}',
-        # Related, and lossy: a bare name.
+        # Related, and lossy: a bare name; the stored fact copied back, the new detail dropped.
         "Customer.",
+        EMAIL + ".",
     ],
 )
 async def test_unusable_merge_creates_instead(
