@@ -82,8 +82,16 @@ def _fold(text: str) -> str:
         folded = unicodedata.normalize("NFKC", text)
     else:
         parts = kept.split(text)  # a kept character between every two others
-        folded = "".join(unicodedata.normalize("NFC" if i % 2 else "NFKC", part) for i, part in enumerate(parts))
+        folded = "".join(_marked(part) if i % 2 else unicodedata.normalize("NFKC", part) for i, part in enumerate(parts))
     return folded.translate(_ZERO_WIDTH).translate(_QUOTE_FOLD)
+
+
+def _marked(character: str) -> str:
+    """A superscript, subscript or fraction as a form the value rules read and no plain text shares: "²" is "^2",
+    "₂" is "_2", "½" is "1/2" (so "½ cup" and "¼ cup" differ in value, and "10⁶" is not "106")."""
+    plain = unicodedata.normalize("NFKC", character).replace("\u2044", "/")
+    kind = unicodedata.decomposition(character).split(" ", 1)[0]
+    return {"<super>": "^", "<sub>": "_"}.get(kind, "") + plain
 
 
 @cache
