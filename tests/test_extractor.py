@@ -266,6 +266,12 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
     outcomes[:] = [WritesPending("1 of 1 writes not decided in time")]
     with pytest.raises(WritesPending):
         await service.extract_through_outages(event, arrived_at=None)
+    # So are refusals that outlast MEMORIES_MAX_DELIVER waits: a text the embedder always rejects looks the same.
+    refused = WritesRefused("1 of 1 writes refused while a dependency was down")
+    outcomes[:] = [refused] * (settings.memories_max_deliver + 1) + [done]
+    with pytest.raises(WritesRefused):
+        await service.extract_through_outages(event, arrived_at=None)
+    assert outcomes == [done]
 
 
 async def test_a_turn_older_than_a_forgetting_of_its_conversation_is_written_without_it(

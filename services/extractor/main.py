@@ -79,7 +79,7 @@ class ExtractorService(ConsumerProcess):
         metadata = message.raw_message.metadata
         try:
             result = await self.extract_through_outages(event, arrived_at=metadata.timestamp if metadata else None)
-        except (LlmError, WritesPending) as exc:
+        except (LlmError, WritesPending, WritesRefused) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return
         except Exception as exc:
@@ -101,12 +101,19 @@ class ExtractorService(ConsumerProcess):
         place, the message kept in progress: handed back, each delivery would count towards MEMORIES_MAX_DELIVER,
         and a turn held through an outage would be dead-lettered at its first real failure."""
         assert self._extractor is not None
-        pause = self.settings.memories_retry_backoff_s
+        pause, refusals = self.settings.memories_retry_backoff_s, 0
         while True:
             try:
                 return await self._extractor.extract(event, arrived_at=arrived_at)
+            except WritesRefused:
+                # Refused for now, or for good (a text the embedder always rejects looks the same): waited out a
+                # while, then handed back and counted, like a model failure.
+                refusals += 1
+                if refusals > self.settings.memories_max_deliver:
+                    raise
+                log.warning("extraction waits for its refused facts (%s)", refusals)
             except Exception as exc:
-                if not (bus.is_outage(exc) or isinstance(exc, BusUnavailable | WritesRefused)):
+                if not (bus.is_outage(exc) or isinstance(exc, BusUnavailable)):
                     raise
                 log.warning("extraction waits out an outage: %s", str(exc) or type(exc).__name__)
             await asyncio.sleep(pause)
