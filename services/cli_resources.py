@@ -17,6 +17,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
@@ -303,12 +304,17 @@ def connection(args: argparse.Namespace) -> tuple[str, str | None]:
     the port (MEMORIES_PORT) and the admin token (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
     settings = get_settings()
     named_url: str | None = args.url or (settings.memories_url if "memories_url" in settings.model_fields_set else None)
-    # The admin token of a local run goes to that run only, never to a service named elsewhere.
-    token = args.token or settings.memories_token or (None if named_url else settings.memories_admin_token)
-    token_file = settings.data_dir / "admin_token"
-    if not token and token_file.is_file():
-        token = token_file.read_text().strip()
-    return named_url or f"http://127.0.0.1:{settings.memories_port}", token  # where a local run listens
+    url = named_url or f"http://127.0.0.1:{settings.memories_port}"  # where a local run listens
+    token = args.token or settings.memories_token
+    # The admin token of a local run (its variable, or the file it wrote) goes to this machine only, never to a
+    # service named elsewhere.
+    if not token and urlsplit(url).hostname in _LOOPBACK_HOSTS:
+        token_file = settings.data_dir / "admin_token"
+        token = settings.memories_admin_token or (token_file.read_text().strip() if token_file.is_file() else None)
+    return url, token
+
+
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def report(error: MemoriesError) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services import cli_resources
 from services.cli import main
 from services.cli_resources import display_width, print_table
 from shared import repository as repo
@@ -467,9 +468,10 @@ async def test_connection_settings(
         get_settings.cache_clear()
         code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
         assert code == 0, err
-        # A service named elsewhere is not sent the local run's admin token (here: only the stale file's).
+        # A service elsewhere is sent neither the local run's admin token nor its token file.
+        monkeypatch.setattr(cli_resources, "_LOOPBACK_HOSTS", frozenset())  # as if api_url were another machine
         code, _, err = await cli.raw("list-projects", "--url", api_url)
-        assert code == 1 and "UNAUTHORIZED" in err
+        assert code == 1 and "missing" in err.lower()
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()
