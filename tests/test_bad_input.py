@@ -111,6 +111,7 @@ async def test_an_id_with_a_lone_surrogate_is_404_not_500(client: httpx.AsyncCli
     # Valid JSON (an escape), and no UTF-8 text can hold it: the message that quotes the id must still be sent.
     response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
     assert_envelope(response, 404)
+    assert "\ufffd" in response.json()["error"]["message"] and b"\\ud" not in response.content  # strict parsers
 
 
 @pytest.mark.parametrize(
