@@ -10,6 +10,7 @@ optional fields (shared.write_gateway), so an added one reaches older readers on
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -30,6 +31,16 @@ def refuse_nul(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
     return value
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """Text as PostgreSQL and UTF-8 can hold it, for text the service did not refuse at its door (a model's reply,
+    an error message quoting what came in): NULs dropped, and lone surrogates (which a JSON escape such as
+    `\\ud800` can produce, and no UTF-8 text can hold) replaced by U+FFFD."""
+    return _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
 
 
 def nested_deeper_than(value: Any, levels: int) -> bool:

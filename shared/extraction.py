@@ -30,10 +30,11 @@ from shared.events import (
     MemoryWriteRequested,
     SourceType,
     WriteAction,
+    storable,
     utcnow,
 )
 from shared.ids import WRITE_PREFIX
-from shared.llm import Completion, LlmError, RateLimited, complete, storable
+from shared.llm import Completion, LlmError, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.decision import Arbitration, Candidate, Operation
-from shared.events import AgentContext
+from shared.events import AgentContext, storable
 from shared.metrics import Purpose
 from shared.settings import is_service_variable
 
@@ -129,16 +129,6 @@ async def complete(
         prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
         completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
     )
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def storable(text: str) -> str:
-    """A model's text as PostgreSQL can store it: NULs dropped, and lone surrogates (which a JSON escape such
-    as `\\ud800` can produce, and no UTF-8 text can hold) replaced by U+FFFD. Refused at storage, either would
-    fail the write, or the turn, on every retry."""
-    return _LONE_SURROGATE.sub("\ufffd", text.replace("\x00", ""))
 
 
 class ModelSteps:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +13,8 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.events import storable
 
 log = logging.getLogger("memories.api")
 
@@ -68,16 +69,13 @@ def not_found(kind: str, identifier: str) -> ApiError:
     return ApiError(404, f"{kind} {identifier} not found")
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 class _EnvelopeResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         # A message may quote what the caller sent, and a JSON body can carry a lone surrogate (`"mem_\\ud800"`)
         # that no UTF-8 text holds: shown as U+FFFD, the envelope is still sent (not a 500 and a reset) and is
         # Unicode that strict parsers take (an escaped lone surrogate is not).
         text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        return _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
+        return storable(text).encode("utf-8")
 
 
 def envelope(status: int, message: str, *, code: str | None = None, meta: dict[str, Any] | None = None) -> JSONResponse:
