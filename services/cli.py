@@ -171,9 +171,10 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         runner.run(main)
 
 
-def _missing_servers(settings: Settings, command: str) -> bool:
-    """A service run on its own needs its servers named (`memories up` starts its own); says so in one line."""
-    missing = [name for name, url in (("DATABASE_URL", settings.database_url), ("NATS_URL", settings.nats_url)) if not url]
+def _missing_servers(settings: Settings, command: str, *, bus: bool = True) -> bool:
+    """A command run on its own needs its servers named (`memories up` starts its own); says so in one line."""
+    named = [("DATABASE_URL", settings.database_url)] + ([("NATS_URL", settings.nats_url)] if bus else [])
+    missing = [name for name, url in named if not url]
     if missing:
         print(f"memories {command}: {' and '.join(missing)} not set (or run `memories up`)", file=sys.stderr)
     return bool(missing)
@@ -229,9 +230,9 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
     from shared.db.migrate import upgrade
 
     settings = get_settings()
-    if not settings.database_url:
-        print("DATABASE_URL is not set", file=sys.stderr)
+    if _missing_servers(settings, "migrate", bus=False):
         return 2
+    assert settings.database_url
     upgrade(settings.database_url)
     return 0
 

@@ -455,9 +455,13 @@ def test_a_writer_refuses_partitions_that_do_not_exist(
     assert _parse_partitions("0-3,5", 8) == [0, 1, 2, 3, 5]
 
 
-@pytest.mark.parametrize("service", ["api", "writer", "extractor"])
+@pytest.mark.parametrize(
+    ("service", "missing"),
+    [("api", "DATABASE_URL and NATS_URL"), ("writer", "DATABASE_URL and NATS_URL"),
+     ("extractor", "DATABASE_URL and NATS_URL"), ("migrate", "DATABASE_URL")],
+)
 def test_a_service_run_without_its_servers_says_so_in_one_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], service: str
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], service: str, missing: str
 ) -> None:
     for name in ("DATABASE_URL", "NATS_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -466,7 +470,7 @@ def test_a_service_run_without_its_servers_says_so_in_one_line(
         assert main([service]) == 2
     finally:
         get_settings.cache_clear()
-    assert capsys.readouterr().err == f"memories {service}: DATABASE_URL and NATS_URL not set (or run `memories up`)\n"
+    assert capsys.readouterr().err == f"memories {service}: {missing} not set (or run `memories up`)\n"
 
 
 def test_every_setting_is_in_the_readmes_configuration_table() -> None:
