@@ -361,6 +361,7 @@ async def test_change_feed_announces_created_entries(
     nc = await nats.connect(settings.nats_url)
     try:
         sub = await nc.subscribe(bus.event_subject(memory["project_id"], "created"))
+        await nc.flush()  # subscribed on the server before another connection publishes
         entry = (await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Announced"})).json()
         message = await sub.next_msg(timeout=10)
         payload = json.loads(message.data)
@@ -401,6 +402,7 @@ async def test_change_feed_announces_edits_and_deletions(
     nc = await nats.connect(settings.nats_url)
     try:
         sub = await nc.subscribe(f"{bus.EVENT_SUBJECT_ROOT}.{memory['project_id']}.*")
+        await nc.flush()  # subscribed on the server before another connection publishes
         await client.put(f"/memory-entries/{entry['id']}", json={"content": "Edited now"})
         await client.delete(f"/memory-entries/{entry['id']}")
         kinds = [json.loads((await sub.next_msg(timeout=10)).data) for _ in range(2)]
@@ -474,6 +476,7 @@ async def test_a_write_event_leaves_unset_optional_fields_off_the_wire(
     nc = await nats.connect(settings.nats_url)
     try:
         seen = await nc.subscribe(f"{bus.WRITE_SUBJECT_ROOT}.>")
+        await nc.flush()  # the server has the subscription before the write is published (else it may miss it)
         await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "On the wire as little as needed"})
         payload = json.loads((await seen.next_msg(timeout=5)).data)
     finally:
