@@ -358,6 +358,14 @@ class WriteApplier:
             merged = await self._merge(session, event, target.entry_id, decision.merged_content, vectors)
             return Written(merged.id, merged.content), EntryChangeKind.UPDATED
         assert embedding is not None
+        retired = None
+        if decision.action is WriteAction.SUPERSEDED:
+            assert target is not None
+            retired = await session.get(MemoryEntry, target.entry_id)
+            assert retired is not None
+        # A replacement states the same subject, so it keeps the retired entry's labels: a search filtered
+        # by them must find what holds now.
+        tags, metadata = _labels_taken_over(retired, event) if retired else (event.tags, event.metadata)
         entry_id = await repo.insert_entry(
             session,
             memory_id=event.memory_id,
@@ -367,15 +375,14 @@ class WriteApplier:
             embedding=embedding,
             embedding_model=self._embedding_model,
             source_type=event.source_type.value,
-            tags=event.tags,
-            metadata_=event.metadata,
+            tags=tags,
+            metadata_=metadata,
             source_generation_id=event.source_generation_id,
             source_conversation_id=event.source_conversation_id,
         )
-        if decision.action is WriteAction.SUPERSEDED:
-            assert target is not None
+        if retired is not None:
             # Retired, not rewritten: the old entry keeps its text and points at its replacement.
-            await repo.invalidate_entry(session, target.entry_id, entry_id)
+            await repo.invalidate_entry(session, retired.id, entry_id)
             return Written(entry_id, event.content), EntryChangeKind.SUPERSEDED
         return Written(entry_id, event.content), EntryChangeKind.CREATED
 
@@ -389,9 +396,7 @@ class WriteApplier:
     ) -> MemoryEntry:
         entry = await session.get(MemoryEntry, entry_id)
         assert entry is not None
-        tags = list(entry.tags or [])
-        tags += [tag for tag in event.tags or [] if tag not in tags]
-        metadata = {**(entry.metadata_ or {}), **(event.metadata or {})}
+        tags, metadata = _labels_taken_over(entry, event)
         # Provenance stays that of the first assertion: a merge never rewrites it.
         return await repo.update_entry(
             session,
@@ -402,8 +407,8 @@ class WriteApplier:
                 # Embedded when the rewrite was checked, unless no check was made.
                 "embedding": vectors.get(merged_content) or await self._embed_one(merged_content),
                 "embedding_model": self._embedding_model,
-                "tags": tags or None,
-                "metadata_": metadata or None,
+                "tags": tags,
+                "metadata_": metadata,
             },
         )
 
@@ -489,6 +494,17 @@ def _forgotten_for(reference: repo.ProvenanceRef, seen_at: datetime, forgotten_a
 def _references(event: MemoryWriteRequested) -> list[repo.ProvenanceRef]:
     pairs = (("generation", event.source_generation_id), ("conversation", event.source_conversation_id))
     return [(event.project_id, kind, value) for kind, value in pairs if value]
+
+
+def _labels_taken_over(
+    entry: MemoryEntry, event: MemoryWriteRequested
+) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """The tags and metadata of an entry that a write merges into or replaces: the entry's tags, then the
+    write's new ones; the entry's metadata, the write's values winning."""
+    tags = list(entry.tags or [])
+    tags += [tag for tag in event.tags or [] if tag not in tags]
+    metadata = {**(entry.metadata_ or {}), **(event.metadata or {})}
+    return tags or None, metadata or None
 
 
 def _failure(event: MemoryWriteRequested, stored: StoredOutcome | None, code: str, message: str) -> Decided:

@@ -313,6 +313,36 @@ async def test_arbitration_supersedes_a_reversed_preference(
     assert REVERSED in shortlist_prompt and f"] {EMAIL}\n" not in shortlist_prompt + "\n"
 
 
+async def test_a_replacement_keeps_the_retired_entrys_tags_and_metadata(
+    client: httpx.AsyncClient, settings: Settings, project: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    memory = await arbitrated_memory(client, project["id"])
+    model = llm.script("arbiter-labels", arbitration_reply("supersede"))
+    old = (
+        await client.post(
+            "/memory-entries",
+            json={"memory_id": memory["id"], "content": EMAIL, "tags": ["contact", "b"], "metadata": {"x": 1, "y": 1}},
+        )
+    ).json()
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=REVERSED,
+        source_type="extraction", tags=["b", "c"], metadata={"y": 2}, agent=AgentContext(model=model),
+        source_generation_id="gen_new",
+    )
+    await _publish(settings, event)
+    outcome = await _outcome(client, event.write_id)
+    assert outcome["action"] == "superseded" and outcome["entry_id"] != old["id"]
+    replacement = await get_entry(client, outcome["entry_id"])
+    assert replacement["tags"] == ["contact", "b", "c"] and replacement["metadata"] == {"x": 1, "y": 2}
+    # Its provenance is its own.
+    assert replacement["source_type"] == "extraction" and replacement["source_generation_id"] == "gen_new"
+    found = await client.post(
+        "/knowledge/search",
+        json={"project_id": project["id"], "query": "How is the customer contacted?", "memory_tags": ["contact"]},
+    )
+    assert [hit["entry_id"] for hit in found.json()["results"]] == [outcome["entry_id"]]
+
+
 @pytest.mark.parametrize(
     ("reply", "action"),
     [
