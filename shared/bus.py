@@ -381,7 +381,8 @@ async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
         from shared.agents import redact_address
 
-        servers = ",".join(redact_address(server) for server in url.split(","))  # no password in a Job's log
+        # No password in a Job's log. nats-py reads a server without a scheme as nats://, and so must this.
+        servers = ",".join(redact_address(s if "://" in s else f"nats://{s}") for s in url.split(","))
         raise BusUnreachable(f"cannot reach NATS at {servers}: {type(exc).__name__} {exc}".rstrip()) from exc
 
 

@@ -98,7 +98,8 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
             await nc.close()
 
 
-async def test_a_one_shot_command_that_cannot_reach_nats_does_not_print_its_password() -> None:
+@pytest.mark.parametrize("url", ["nats://admin:S3cretNatsPw@127.0.0.1:1", "admin:S3cretNatsPw@127.0.0.1:1"])
+async def test_a_one_shot_command_that_cannot_reach_nats_does_not_print_its_password(url: str) -> None:
     with pytest.raises(bus.BusUnreachable) as unreachable:
-        await bus.connect("nats://admin:S3cretNatsPw@127.0.0.1:1", name="test", one_shot=True)
+        await bus.connect(url, name="test", one_shot=True)
     assert "S3cretNatsPw" not in str(unreachable.value) and "127.0.0.1:1" in str(unreachable.value)
