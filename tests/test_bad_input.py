@@ -250,3 +250,21 @@ def test_a_refused_value_is_the_clients_fault_only_when_the_client_chose_it() ->
     # pgvector's "expected 384 dimensions" (22000) and other data exceptions are the service's bugs: a 500.
     assert not refused(errors.DataException("expected 384 dimensions, not 768"))
     assert not refused(errors.DivisionByZero("division by zero"))
+
+
+async def test_a_query_parameter_the_route_does_not_take_is_refused_not_ignored(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    project_id = memory["project_id"]
+    # How axios and qs send a list, and a misspelling: ignored, each listed every memory of the project.
+    for params in ({"project_id": project_id, "tags[]": "tier:gold"}, {"project_id": project_id, "tag": "x"}):
+        response = await client.get("/memories", params=params)
+        assert_envelope(response, 400)
+        assert response.json()["error"]["meta"]["unknown_fields"] == [next(k for k in params if k != "project_id")]
+    # A parameter a dependency takes (paging) is known; one only another route takes is not.
+    listed = await client.get("/memory-entries", params={"memory_id": memory["id"], "limit": 1, "offset": 0})
+    assert listed.status_code == 200, listed.text
+    refused = await client.get("/memory-entries", params={"memory_id": memory["id"], "tags": "x", "includeInvalidated": 1})
+    assert_envelope(refused, 400)
+    assert refused.json()["error"]["meta"]["unknown_fields"] == ["tags", "includeInvalidated"]
+    assert (await client.get("/memories", params={"project_id": project_id, "tags": "a*"})).status_code == 200

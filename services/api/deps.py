@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.errors import ApiError, not_found
@@ -34,6 +37,31 @@ ReadSessionDep = Annotated[AsyncSession, Depends(get_read_session)]
 """For routes that only read: each statement commits on its own (autocommit), one round trip per query
 instead of BEGIN, query and ROLLBACK. A route that needs one consistent snapshot of several reads, or that
 writes, takes SessionDep."""
+
+
+async def refuse_unknown_query_parameters(request: Request) -> None:
+    """A query parameter the route does not take is a 400, as an unknown body field is: a misspelt or
+    differently encoded filter (`tag=`, `tags[]=`) must not quietly list everything."""
+    if not request.query_params:
+        return
+    route: APIRoute = request.scope["route"]
+    taken = _TAKEN_QUERY_PARAMETERS.get(route.unique_id)
+    if taken is None:
+        taken = _TAKEN_QUERY_PARAMETERS[route.unique_id] = frozenset(_query_parameters(route.dependant))
+    unknown = [name for name in dict.fromkeys(request.query_params) if name not in taken]
+    if unknown:
+        raise RequestValidationError(
+            [{"type": "extra_forbidden", "loc": ("query", name), "msg": "unknown query parameter"} for name in unknown]
+        )
+
+
+_TAKEN_QUERY_PARAMETERS: dict[str, frozenset[str]] = {}
+"""By route (`unique_id`: its name, path and method; a route object is not hashable)."""
+
+
+def _query_parameters(dependant: Dependant) -> set[str]:
+    own = {field.alias for field in dependant.query_params}
+    return own.union(*(_query_parameters(sub) for sub in dependant.dependencies))
 
 
 # Dependencies are `async def` even when they await nothing: FastAPI runs a plain `def` dependency in its
