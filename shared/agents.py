@@ -64,7 +64,14 @@ TagPatternList = Annotated[
     BeforeValidator(_one_or_many),
     Field(max_length=MAX_TAG_PATTERNS),
 ]
-MinScore = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
+def _refuse_boolean(value: Any) -> Any:
+    # Pydantic's lax mode reads `true` as 1: no platform storing `"limit": true` meant a limit of one.
+    if isinstance(value, bool):
+        raise ValueError("a number, not a boolean")  # noqa: TRY004 - pydantic reports only a ValueError
+    return value
+
+
+MinScore = Annotated[float, BeforeValidator(_refuse_boolean), Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
 
 
 class _EitherCase(BaseModel):
@@ -90,7 +97,9 @@ class KnowledgeConfig(_EitherCase):
 
     memory_ids: MemoryIdList = []
     memory_tags: TagPatternList = []
-    limit: int | None = Field(default=None, description="default 10; clamped to 1..100")
+    limit: Annotated[int, BeforeValidator(_refuse_boolean)] | None = Field(
+        default=None, description="default 10; clamped to 1..100"
+    )
     min_score: MinScore | None = None
     write_memory_id: str | None = None
     extraction: bool | ExtractionConfig | None = None

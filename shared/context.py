@@ -59,8 +59,8 @@ async def reference_context(
     Without a message, the config's memories are listed oldest first. A config that names no memories to
     read (no `memory_ids`, no `memory_tags`: an agent that only writes) reads nothing: searching the whole
     project instead would hand one end user's facts to another's agent where each has a memory of their own.
-    A message longer than an entry may be is cut to that length before embedding (the model reads far less
-    anyway). Raises EmbeddingError."""
+    A message longer than an entry may be is cut to that length, as a search's query would be refused past it;
+    a long one still ranks weakly, its windows averaged (docs/api.md). Raises EmbeddingError."""
     query = message[:CONTENT_MAX_CHARS] if message and message.strip() else None
     if not config.filters.given:
         return ReferenceContext(None, KnowledgeResults([], SearchPath.NOTHING))

@@ -212,6 +212,9 @@ async def test_the_route_returns_the_message_and_the_results(
         ({"knowledge_config": {"memory_ids": []}, "message": " "}, 400),
         ({"knowledge_config": {"colour": "red"}, "message": "x"}, 400),
         ({"knowledge_config": {"min_score": 3}, "message": "x"}, 400),
+        # Read leniently ("3" is 3), but a boolean is no number: `true` was read as a limit of 1, a min_score of 1.
+        ({"knowledge_config": {"memory_ids": ["mem_x"], "limit": True}, "message": "x"}, 400),
+        ({"knowledge_config": {"memory_ids": ["mem_x"], "min_score": True}, "message": "x"}, 400),
         ({"message": "x", "extra": 1}, 400),
         ({"message": "nul\u0000"}, 400),
     ],
