@@ -160,6 +160,7 @@ class Extractor:
         llm_timeout: float,
         write_timeout: float,
         service_model: str | None = None,
+        nameable_providers: frozenset[str] = frozenset(),
         rate_limit_retries: int = 4,
     ) -> None:
         self._sessions = sessions
@@ -167,6 +168,7 @@ class Extractor:
         self._llm_timeout = llm_timeout
         self._write_timeout = write_timeout
         self._service_model = service_model
+        self._nameable_providers = nameable_providers
         self._rate_limit_retries = rate_limit_retries
 
     async def extract(self, event: GenerationCompleted, *, arrived_at: datetime | None = None) -> ExtractionResult:
@@ -226,6 +228,7 @@ class Extractor:
             routes=routes,
             default_route_id=default_route,
             service_model=self._service_model,
+            nameable_providers=self._nameable_providers,
         )
 
     async def _complete(

@@ -47,6 +47,25 @@ class ResolutionError(Exception):
     """No model can serve: the reason is recorded as the extraction's skip reason."""
 
 
+IN_PROCESS_PROVIDERS = frozenset({"scripted"})
+"""Served inside the process (shared.scripted_llm, where tests register it): nameable, as they reach no network."""
+
+
+def nameable(model: str, providers: frozenset[str]) -> str:
+    """`model`, named by a request itself (no registered provider or route behind it), if the service may call
+    it. Its provider is the part before the first "/": some litellm providers take the address to call from
+    the model name (`oobabooga/http://…`) or call a local server (`ollama/…`), so a tenant naming any model
+    could make the service post to an address of its choice and read the answer back. Raises ResolutionError."""
+    provider, slash, _ = model.partition("/")
+    if not slash or provider not in providers | IN_PROCESS_PROVIDERS:
+        shown = model if len(model) <= 80 else model[:80] + "…"
+        raise ResolutionError(
+            f"model {shown!r}: a request may name a model as provider/model of {', '.join(sorted(providers)) or 'no provider'}"
+            " only (MEMORIES_AGENT_MODEL_PROVIDERS); register an AI provider for others"
+        )
+    return model
+
+
 def litellm_model(provider: str, model: str) -> str:
     return model if model.startswith(f"{provider}/") else f"{provider}/{model}"
 
@@ -78,11 +97,13 @@ def resolve_targets(
     routes: dict[str, list[dict[str, Any]]],
     default_route_id: str | None,
     service_model: str | None = None,
+    nameable_providers: frozenset[str] = frozenset(),
 ) -> list[Target]:
     """The models to try in order. `providers` and `routes` are the project's own (isolation).
 
     On a provider, the model is the first of: `extraction.model`, the override provider's `default_model`
-    (with `extraction.ai_provider_id`), the agent's `model`, the agent's provider's `default_model`."""
+    (with `extraction.ai_provider_id`), the agent's `model`, the agent's provider's `default_model`. Without
+    a provider or route, a model the request names must be of `nameable_providers` (see `nameable`)."""
     pinned = providers.get(agent.ai_provider_id) if agent.ai_provider_id else None
     agent_model = agent.model or (pinned.default_model if pinned else None)
     if extraction.ai_provider_id:
@@ -99,9 +120,11 @@ def resolve_targets(
     if default_route_id:
         return _route(default_route_id, routes, providers)
     # A platform without a registry may send a full litellm model name; else the service's own model.
-    model = extraction.model or agent.model or service_model
-    if model:
-        return [Target(model)]
+    requested = extraction.model or agent.model
+    if requested:
+        return [Target(nameable(requested, nameable_providers))]
+    if service_model:
+        return [Target(service_model)]
     raise ResolutionError("no model: configure an AI provider, a model route or MEMORIES_MERGE_MODEL")
 
 
@@ -112,12 +135,13 @@ def agent_for_merges(
     routes: dict[str, list[dict[str, Any]]],
     default_route_id: str | None,
     service_model: str | None = None,
+    nameable_providers: frozenset[str] = frozenset(),
 ) -> AgentSpec:
     """A `write_memory` call's agent with the model its merges use, resolved as for its extraction: the
     first target (a write carries one model), the service's own model (`MEMORIES_MERGE_MODEL`) when it names
     none. An agent that names its endpoint itself (`api_base`, `api_key_env`: the admin token only) keeps it;
     one with no model anywhere merges nothing. Raises ResolutionError when it names a provider or route the
-    project does not have."""
+    project does not have, or a model it may not name."""
     if agent.api_base or agent.api_key_env:
         return agent
     spec = GenerationAgent(
@@ -126,10 +150,10 @@ def agent_for_merges(
     try:
         target = resolve_targets(
             ExtractionConfig(), spec, providers=providers, routes=routes, default_route_id=default_route_id,
-            service_model=service_model,
+            service_model=service_model, nameable_providers=nameable_providers,
         )[0]
     except ResolutionError:
-        if agent.ai_provider_id or agent.model_route_id:
+        if agent.ai_provider_id or agent.model_route_id or agent.model:
             raise
         return agent  # no model anywhere: the write creates where it would merge
     return agent.model_copy(

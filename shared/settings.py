@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     memories_merge_model: str | None = Field(
         default=None, description="litellm model for merges when the agent context names none"
     )
+    memories_agent_model_providers: str = Field(
+        default="",
+        description="litellm providers (comma-separated, e.g. openai,anthropic) whose models a request may name "
+        "itself as provider/model (agent.model, extraction.model) with no registered AI provider behind it; "
+        "always also MEMORIES_MERGE_MODEL's provider",
+    )
     memories_llm_timeout_s: float = Field(default=30.0, gt=0)
     memories_scripted_llm: str | None = Field(
         default=None,
@@ -83,6 +89,13 @@ class Settings(BaseSettings):
 
     # How many completed turns one extractor replica works on at once (its LLM calls overlap).
     memories_extractor_concurrency: int = Field(default=8, ge=1, le=256)
+
+    @property
+    def agent_model_providers(self) -> frozenset[str]:
+        """The providers of `memories_agent_model_providers` (shared.providers.nameable)."""
+        named = {name.strip() for name in self.memories_agent_model_providers.split(",")}
+        merge_provider, slash, _ = (self.memories_merge_model or "").partition("/")
+        return frozenset(name for name in (*named, merge_provider if slash else "") if name)
 
     @property
     def data_dir(self) -> Path:

@@ -28,7 +28,7 @@ from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
 from shared.writes import WriteApplier
-from tests.conftest import open_api, wait_until_blocked_by
+from tests.conftest import connection_counter, open_api, wait_until_blocked_by
 
 EMAIL = "Customer prefers email over phone calls"
 EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
@@ -81,6 +81,17 @@ async def test_tool_write_records_agent_provenance(
     assert entry["source_type"] == "agent" and entry["source_generation_id"] == "gen_42"
     assert entry["source_conversation_id"] is None
     assert llm.calls == []  # nothing similar yet: no model call
+
+
+async def test_a_tool_call_naming_a_model_that_takes_its_address_from_its_name_merges_nothing(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    async with connection_counter() as (address, connections):
+        first = await tool_write(client, memory, EMAIL, f"oobabooga/{address}")
+        # Similar enough to merge: the writer would have asked that address to.
+        second = await tool_write(client, memory, EMAIL_DETAIL, f"oobabooga/{address}")
+        assert (first["action"], second["action"]) == ("created", "created")
+        assert connections == []
 
 
 async def test_tool_target_is_fixed_by_write_memory_id(

@@ -21,6 +21,7 @@ from shared.extraction import (
 )
 from shared.llm import FAILURE_MAX_CHARS, describe_failure
 from shared.providers import Provider, ResolutionError, Target, resolve_targets
+from shared.settings import Settings
 
 
 def turn(config: dict[str, Any] | None, **fields: Any) -> GenerationCompleted:
@@ -179,12 +180,36 @@ def test_resolution_meters_against_the_provider() -> None:
         ({}, {"ai_provider_id": "aip_bare"}),  # no model anywhere
         ({}, {"model_route_id": "route_missing"}),
         ({}, {}),
+        # a model named by the request itself, of a provider it may not name
+        ({}, {"model": "oobabooga/http://127.0.0.1:8000/api/v1/projects#"}),
+        ({"model": "ollama/llama3"}, {}),
+        ({}, {"model": "gpt-4o-mini"}),  # no provider: refused, not guessed
+        ({}, {"model": "anthropic/claude-x"}),
     ],
 )
 def test_resolution_refusals(extraction: dict[str, Any], agent: dict[str, Any]) -> None:
     with pytest.raises(ResolutionError):
         resolve_targets(ExtractionConfig(**extraction), GenerationAgent(**agent), providers=PROVIDERS, routes=ROUTES,
-                        default_route_id=None)
+                        default_route_id=None, nameable_providers=frozenset({"openai"}))
+
+
+def test_a_request_names_models_of_the_providers_the_service_is_configured_for() -> None:
+    def resolved(model: str | None, nameable: frozenset[str], service_model: str | None = None) -> str:
+        [target] = resolve_targets(ExtractionConfig(), GenerationAgent(model=model), providers=PROVIDERS, routes={},
+                                   default_route_id=None, service_model=service_model, nameable_providers=nameable)
+        return target.model
+
+    assert resolved("openai/gpt-4o", frozenset({"openai"})) == "openai/gpt-4o"
+    assert resolved(None, frozenset(), service_model="ollama/llama3") == "ollama/llama3"  # the operator's own
+    with pytest.raises(ResolutionError, match="MEMORIES_AGENT_MODEL_PROVIDERS"):
+        resolved("ollama/llama3", frozenset({"openai"}), service_model="ollama/llama3")
+    # Behind a registered provider the request's model is only a name under its prefix and address.
+    [target] = resolve_targets(ExtractionConfig(), GenerationAgent(ai_provider_id="aip_openai", model="oobabooga/x"),
+                               providers=PROVIDERS, routes={}, default_route_id=None)
+    assert target.model == "openai/oobabooga/x" and target.api_base is None
+    settings = Settings(memories_agent_model_providers=" openai, anthropic ,", memories_merge_model="gemini/flash")
+    assert settings.agent_model_providers == {"openai", "anthropic", "gemini"}
+    assert Settings(memories_merge_model="gpt-4o-mini").agent_model_providers == frozenset()
 
 
 def test_a_malformed_stored_config_skips_the_turn_with_a_reason() -> None:

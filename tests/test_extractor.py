@@ -21,7 +21,7 @@ from shared.extraction import ExtractionResult, Extractor, WritesPending, Writes
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
-from tests.conftest import WriterWithoutEmbedder, open_api
+from tests.conftest import WriterWithoutEmbedder, connection_counter, open_api
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
 
@@ -296,8 +296,9 @@ async def test_a_turn_reported_again_after_a_forgetting_is_as_old_as_its_first_r
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
     forget = {"params": {"project_id": memory["project_id"]}}
-    # Its extraction fails (a model that is not configured); meanwhile its conversation is forgotten.
-    body = turn_body(memory, "custom/unconfigured", "gen_reported_again", conversation_id="conv_forgotten_since")
+    # Its extraction fails (a model that is down); meanwhile its conversation is forgotten.
+    down = llm.script("extract-down", RuntimeError("the model is down"))
+    body = turn_body(memory, down, "gen_reported_again", conversation_id="conv_forgotten_since")
     assert (await client.post("/generations/completed", json=body)).status_code == 202
     assert (await finished(client, memory, "gen_reported_again"))["status"] == "failed"
     await client.delete("/conversations/conv_forgotten_since/provenance", **forget)
@@ -495,7 +496,14 @@ async def test_a_provider_failure_is_recorded_without_its_traceback(
     client: httpx.AsyncClient, memory: dict[str, Any]
 ) -> None:
     # litellm itself fails (a custom provider with no address), and its message carries a traceback.
-    await client.post("/generations/completed", json=turn_body(memory, "custom/unconfigured", "gen_unconfigured"))
+    provider = (
+        await client.post(
+            "/ai-providers", json={"project_id": memory["project_id"], "name": "no address", "provider": "custom"}
+        )
+    ).json()
+    body = turn_body(memory, "unconfigured", "gen_unconfigured")
+    body["agent"]["ai_provider_id"] = provider["id"]
+    await client.post("/generations/completed", json=body)
     outcome = await finished(client, memory, "gen_unconfigured")
     assert outcome["status"] == "failed" and "api_base not set" in outcome["reason"]
     assert "Traceback" not in outcome["reason"] and "\n" not in outcome["reason"]
@@ -558,3 +566,18 @@ async def test_a_retry_that_cannot_be_published_leaves_the_turn_failed(
                                 params={"project_id": memory["project_id"]})).json()
     # Failed still, so the caller's next report is published as a retry, not swallowed as a duplicate.
     assert status["status"] == "failed"
+
+
+async def test_a_turn_naming_a_model_that_takes_its_address_from_its_name_is_skipped_uncalled(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    async with connection_counter() as (address, connections):
+        # litellm's oobabooga provider posts to the address in the model's name, with the answer read back.
+        for generation_id, model in (("gen_ssrf", f"oobabooga/{address}"), ("gen_ollama", "ollama/llama3")):
+            await client.post("/generations/completed", json=turn_body(memory, model, generation_id))
+            outcome = await finished(client, memory, generation_id)
+            assert outcome["status"] == "skipped" and "MEMORIES_AGENT_MODEL_PROVIDERS" in outcome["reason"]
+        config = {"writeMemoryId": memory["id"], "extraction": {"model": f"oobabooga/{address}"}}
+        await client.post("/generations/completed", json=turn_body(memory, "scripted/x", "gen_ssrf_2", config=config))
+        assert (await finished(client, memory, "gen_ssrf_2"))["status"] == "skipped"
+        assert connections == []

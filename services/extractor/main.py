@@ -54,6 +54,7 @@ class ExtractorService(ConsumerProcess):
             llm_timeout=self.settings.memories_llm_timeout_s,
             write_timeout=self.settings.memories_write_timeout_s,
             service_model=self.settings.memories_merge_model,
+            nameable_providers=self.settings.agent_model_providers,
         )
 
     def consumers(self) -> list[metrics.ConsumerRef]:

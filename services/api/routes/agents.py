@@ -87,6 +87,7 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
         agent = agent_for_merges(
             body.agent, providers=providers, routes=routes, default_route_id=default_route,
             service_model=request.app.state.settings.memories_merge_model,
+            nameable_providers=request.app.state.settings.agent_model_providers,
         )
     except ResolutionError as exc:
         # A merge is optional; the fact is not: it is written as it would be with no model to merge with.
