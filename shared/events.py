@@ -36,6 +36,10 @@ def refuse_nul(value: str) -> str:
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def has_lone_surrogate(text: str) -> bool:
+    return _LONE_SURROGATE.search(text) is not None
+
+
 def storable(text: str) -> str:
     """Text as PostgreSQL and UTF-8 can hold it, for text the service did not refuse at its door (a model's reply,
     an error message quoting what came in): NULs dropped, and lone surrogates (which a JSON escape such as

@@ -100,18 +100,39 @@ async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) 
 
 
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("path", "body", "field"),
     [
-        ("/memory-entries", b'{"memory_id": "mem_\\ud800", "content": "x"}'),
-        ("/memories", b'{"project_id": "proj_\\udc80AAAAAAAAAAAAAAA", "name": "x"}'),
-        ("/knowledge/search", b'{"project_id": "proj_\\ud800", "query": "x"}'),
+        ("/memory-entries", b'{"memory_id": "mem_\\ud800", "content": "x"}', "memory_id"),
+        ("/memories", b'{"project_id": "proj_\\udc80AAAAAAAAAAAAAAA", "name": "x"}', "project_id"),
+        ("/knowledge/search", b'{"project_id": "proj_\\ud800", "query": "x"}', "project_id"),
+        # Fields that reached a log line, an event or a column, and failed there: a 500, or a turn left pending.
+        ("/knowledge/context", b'{"knowledge_config": {"memory_ids": ["mem_x"]}, "message": "hi \\udc00"}', "message"),
+        ("/tools/write_memory", b'{"content": "x", "generation_id": "g\\ud800", "agent": {"model": "m"}}', "generation_id"),
+        ("/generations/completed", b'{"generation_id": "g", "agent": {"id": "a\\udfff"}, "messages": []}', "agent.id"),
+        ("/generations/completed",
+         b'{"generation_id": "g", "agent": {}, "messages": [{"role": "user", "content": "\\ud83d"}]}',
+         "messages.0.content"),
+        ("/memory-entries", b'{"memory_id": "mem_x", "content": "x", "metadata": {"k\\ud800": 1}}', "metadata.k\ufffd"),
     ],
 )
-async def test_an_id_with_a_lone_surrogate_is_404_not_500(client: httpx.AsyncClient, path: str, body: bytes) -> None:
-    # Valid JSON (an escape), and no UTF-8 text can hold it: the message that quotes the id must still be sent.
+async def test_a_lone_surrogate_anywhere_in_a_body_is_a_400(
+    client: httpx.AsyncClient, path: str, body: bytes, field: str
+) -> None:
+    # Valid JSON (an escape), and no UTF-8 text can hold it: refused at the door, before any route sees it.
     response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
-    assert_envelope(response, 404)
-    assert "\ufffd" in response.json()["error"]["message"] and b"\\ud" not in response.content  # strict parsers
+    assert_envelope(response, 400)
+    assert [f["field"] for f in response.json()["error"]["meta"]["invalid_fields"]] == [field]
+    assert b"\\ud" not in response.content  # what strict parsers refuse
+
+
+async def test_an_escaped_surrogate_pair_is_a_character_like_any_other(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # How Python's json.dumps and many other encoders send an emoji by default.
+    body = b'{"memory_id": "%s", "content": "Loves \\ud83d\\ude00 and a literal \\\\ud800"}' % memory["id"].encode()
+    response = await client.post("/memory-entries", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 201, response.text
+    assert response.json()["content"] == "Loves \U0001f600 and a literal \\ud800"
 
 
 @pytest.mark.parametrize(

@@ -313,3 +313,18 @@ def test_cosine() -> None:
     assert cosine([0.0, 0.0], [1.0, 0.0]) == 0.0
     with pytest.raises(ValueError):
         cosine([1.0], [1.0, 2.0])
+
+
+async def test_a_provider_failure_is_told_without_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.embeddings import _provider
+
+    class Broken:
+        def encode_counted(self, texts: list[str]) -> Any:
+            raise RuntimeError("the encoder broke")
+
+    register_local_provider()
+    monkeypatch.setattr(_provider.LocalEmbeddingHandler, "_encoder", lambda self, model: Broken())
+    with pytest.raises(EmbeddingError) as failed:
+        await embed_texts(["hello"], model=LOCAL_MODEL)
+    assert "the encoder broke" in str(failed.value)
+    assert "Traceback" not in str(failed.value) and "\n" not in str(failed.value)

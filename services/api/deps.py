@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -16,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.api.errors import ApiError, not_found
 from shared import iam
 from shared import repository as repo
+from shared.events import has_lone_surrogate
 from shared.ids import PROJECT_PREFIX, is_valid_id
 from shared.settings import Settings
 
@@ -53,6 +56,43 @@ async def refuse_unknown_query_parameters(request: Request) -> None:
         raise RequestValidationError(
             [{"type": "extra_forbidden", "loc": ("query", name), "msg": "unknown query parameter"} for name in unknown]
         )
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a surrogate, paired or not: the only way a lone one gets into a UTF-8 body."""
+
+
+async def refuse_lone_surrogates(request: Request) -> None:
+    """A lone surrogate (`"\\ud800"`: valid JSON, half of a UTF-16 pair, as a JavaScript client that cut a string
+    through an emoji sends it) anywhere in a body is a 400: no UTF-8 text, so no column, log line or event, can
+    hold it. Bodies without a surrogate escape (nearly all) cost one scan of their bytes."""
+    body = await request.body()
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return  # not JSON: the route's own validation says so
+    where = _lone_surrogate_at(value)
+    if where is not None:
+        message = "must be Unicode text: a lone surrogate (half of a UTF-16 pair) is no character"
+        raise RequestValidationError([{"type": "lone_surrogate", "loc": ("body", *where), "msg": message}])
+
+
+def _lone_surrogate_at(value: Any) -> tuple[str | int, ...] | None:
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while pending:  # not recursive: the body may nest as deep as the parser let it
+        path, item = pending.pop()
+        if isinstance(item, str) and has_lone_surrogate(item):
+            return path
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if has_lone_surrogate(key):
+                    return (*path, key)  # shown as U+FFFD by the envelope
+                pending.append(((*path, key), child))
+        elif isinstance(item, list):
+            pending.extend(((*path, index), child) for index, child in enumerate(item))
+    return None
 
 
 _TAKEN_QUERY_PARAMETERS: dict[str, frozenset[str]] = {}

@@ -70,7 +70,10 @@ async def embed_texts(
         try:
             response = await litellm.aembedding(model=model, input=list(texts), **kwargs)
         except Exception as exc:  # litellm maps provider failures onto many exception types
-            raise EmbeddingError(model, f"{type(exc).__name__}: {exc}") from exc
+            from shared.llm import describe_failure
+
+            # The reason reaches tenants (a 503's message, a write's status): no traceback, no echoed key.
+            raise EmbeddingError(model, f"{type(exc).__name__}: {describe_failure(exc)}") from exc
         call.record_usage(response)
         return _unit_vectors(response, model, len(texts), dimensions)
 
