@@ -29,6 +29,7 @@ from shared.events import (
     METADATA_MAX_DEPTH,
     AgentContext,
     MemoryWriteRequested,
+    ModelName,
     SourceType,
     Tag,
     json_text,
@@ -88,7 +89,7 @@ class _EitherCase(BaseModel):
 class ExtractionConfig(_EitherCase):
     enabled: bool = True
     ai_provider_id: str | None = None
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str | None = Field(default=None, max_length=CONTENT_MAX_CHARS)
 
 
@@ -185,7 +186,7 @@ class AgentSpec(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str | None = None
-    model: str | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
+    model: ModelName | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
     ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
     model_route_id: str | None = Field(default=None, description="the agent's model route")
     api_base: ProviderAddress | None = None

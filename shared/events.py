@@ -96,6 +96,8 @@ StoredContent = Annotated[
 WrittenContent = Annotated[StoredContent, AfterValidator(refuse_blank)]
 """What a client or a model may write as an entry's content (the bus event takes any StoredContent)."""
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
+ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
+"""A litellm model name as an agent names it (no provider's name is longer)."""
 Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
 
@@ -275,7 +277,7 @@ class GenerationAgent(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     id: str | None = None
-    model: str | None = Field(default=None, description="the agent's model (a litellm model or a provider's)")
+    model: ModelName | None = Field(default=None, description="the agent's model (a litellm model or a provider's)")
     ai_provider_id: str | None = Field(default=None, description="the agent's pinned provider")
     model_route_id: str | None = None
     # Its contents may be camelCase, and so may its own key, as a platform stores it.

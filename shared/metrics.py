@@ -233,11 +233,27 @@ def _usage_of(response: Any) -> Any:
     return response.get("usage") if isinstance(response, Mapping) else getattr(response, "usage", None)
 
 
+MODEL_LABELS_MAX = 100
+"""Distinct `model` label values per process; the rest are counted as "other". Agents name their own models, so
+without a bound every name a tenant sends would be a set of series for as long as the process runs."""
+
+_model_labels: set[str] = set()
+
+
+def model_label(model: str) -> str:
+    if model in _model_labels:
+        return model
+    if len(_model_labels) >= MODEL_LABELS_MAX or len(model) > 128:
+        return "other"
+    _model_labels.add(model)
+    return model
+
+
 class EmbeddingCall:
     """The handle `track_embedding` yields: report what the provider counted."""
 
     def __init__(self, model: str, purpose: str) -> None:
-        self._tokens = EMBEDDING_TOKENS.labels(model, purpose)
+        self._tokens = EMBEDDING_TOKENS.labels(model_label(model), purpose)
 
     def add_tokens(self, count: int) -> None:
         if count > 0:
@@ -254,7 +270,7 @@ class LlmCall:
     """The handle `track_llm` yields: report what the provider counted."""
 
     def __init__(self, model: str, purpose: str) -> None:
-        self._model, self._purpose = model, purpose
+        self._model, self._purpose = model_label(model), purpose
 
     def add_tokens(self, *, prompt: int = 0, completion: int = 0) -> None:
         for kind, count in ((TokenKind.PROMPT, prompt), (TokenKind.COMPLETION, completion)):
@@ -277,27 +293,27 @@ def track_embedding(model: str, purpose: str) -> Iterator[EmbeddingCall]:
 
     Cancellation is not an error: it is the caller giving up, not the model failing.
     """
-    started = time.perf_counter()
+    started, label = time.perf_counter(), model_label(model)
     try:
         yield EmbeddingCall(model, purpose)
     except Exception:
-        EMBEDDING_ERRORS.labels(model, purpose).inc()
+        EMBEDDING_ERRORS.labels(label, purpose).inc()
         raise
     finally:
-        EMBEDDING_SECONDS.labels(model, purpose).observe(time.perf_counter() - started)
+        EMBEDDING_SECONDS.labels(label, purpose).observe(time.perf_counter() - started)
 
 
 @contextmanager
 def track_llm(model: str, purpose: str) -> Iterator[LlmCall]:
     """Like `track_embedding`, for generative calls (merge, arbitration, extraction)."""
-    started = time.perf_counter()
+    started, label = time.perf_counter(), model_label(model)
     try:
         yield LlmCall(model, purpose)
     except Exception:
-        LLM_ERRORS.labels(model, purpose).inc()
+        LLM_ERRORS.labels(label, purpose).inc()
         raise
     finally:
-        LLM_SECONDS.labels(model, purpose).observe(time.perf_counter() - started)
+        LLM_SECONDS.labels(label, purpose).observe(time.perf_counter() - started)
 
 
 # --- consumer lag, read from JetStream ----------------------------------------------------------------

@@ -289,3 +289,22 @@ async def test_a_query_parameter_the_route_does_not_take_is_refused_not_ignored(
     assert_envelope(refused, 400)
     assert refused.json()["error"]["meta"]["unknown_fields"] == ["tags", "includeInvalidated"]
     assert (await client.get("/memories", params={"project_id": project_id, "tags": "a*"})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tools/write_memory", {"content": "x", "agent": {"model": "openai/" + "m" * 300}}, "agent.model"),
+        ("/generations/completed", {"generation_id": "g", "agent": {"model": "m" * 256}, "messages": []}, "agent.model"),
+        ("/knowledge/context",
+         {"knowledge_config": {"memory_ids": ["mem_x"], "extraction": {"model": "m" * 256}}, "message": "x"},
+         "knowledge_config.extraction.ExtractionConfig.model"),  # the branch of `bool | ExtractionConfig`
+    ],
+)
+async def test_a_model_name_is_at_most_255_characters(
+    client: httpx.AsyncClient, project: dict[str, Any], path: str, body: dict[str, Any], field: str
+) -> None:
+    # Each name an agent sends is a metric label and a stored column; 240,000 characters were taken.
+    response = await client.post(path, json={"project_id": project["id"], **body})
+    assert_envelope(response, 400)
+    assert field in [f["field"] for f in response.json()["error"]["meta"]["invalid_fields"]]
