@@ -143,6 +143,10 @@ async def get_memory(
     writer's order; one that finds it deleted meanwhile sees it gone."""
     if not for_change:
         return _visible(await session.get(Memory, memory_id), project_id)
+    if project_id is not None and await get_memory_project(session, memory_id) != project_id:
+        # Told before the lock is waited for: another project's busy memory must not be a wait and a 503
+        # where an absent one is a 404 (a memory never changes project).
+        return None
     await lock_memory(session, memory_id)
     return _visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
 

@@ -7,6 +7,7 @@ key 401 on its very next request, and the secret is shown only by the creation.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +171,21 @@ async def test_a_foreign_resource_answers_exactly_like_an_absent_one(
     assert entries.json()["total"] == 1
     memories = await client.get("/memories", params={"project_id": beta.target.project_id})
     assert [m["name"] for m in memories.json()["data"]] == ["notes"]
+
+
+async def test_a_foreign_memory_busy_with_a_write_is_absent_at_once_not_waited_for(
+    client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    alpha, beta = tenants
+    async with sessions.begin() as session:
+        await repo.lock_memory(session, beta.target.memory_id)  # a writer deciding on it, say with a slow model
+        for method, body in (("PUT", {"name": "renamed"}), ("DELETE", None)):
+            # Before, each waited the write timeout for the lock (a connection held all along), then got a 503.
+            answered = await asyncio.wait_for(
+                client.request(method, f"/memories/{beta.target.memory_id}", json=body, headers=bearer(alpha.secret)),
+                timeout=5,
+            )
+            assert answered.status_code == 404, answered.text
 
 
 async def test_every_route_works_within_the_keys_own_project(
