@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.agents import KnowledgeConfig
-from shared.events import CONTENT_MAX_CHARS
+from shared.events import CONTENT_MAX_CHARS, is_blank
 from shared.search import KnowledgeHit, KnowledgeResults, SearchPath, search_knowledge
 
 PREAMBLE = (
@@ -61,7 +61,7 @@ async def reference_context(
     project instead would hand one end user's facts to another's agent where each has a memory of their own.
     A message longer than an entry may be is cut to that length, as a search's query would be refused past it;
     a long one still ranks weakly, its windows averaged (docs/api.md). Raises EmbeddingError."""
-    query = message[:CONTENT_MAX_CHARS] if message and message.strip() else None
+    query = message[:CONTENT_MAX_CHARS] if message and not is_blank(message) else None
     if not config.filters.given:
         return ReferenceContext(None, KnowledgeResults([], SearchPath.NOTHING))
     results = await search_knowledge(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -83,8 +84,13 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def is_blank(text: str) -> bool:
+    """Nothing a reader would see: whitespace, and invisible format characters (zero-width space, BOM, …)."""
+    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
+
+
 def refuse_blank(value: str) -> str:
-    if not value.strip():
+    if is_blank(value):
         raise ValueError("must not be blank")
     return value
 

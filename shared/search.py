@@ -42,6 +42,7 @@ from sqlalchemy.ext.compiler import compiles
 
 from shared.db.models import Memory, MemoryEntry
 from shared.embeddings import embed_texts
+from shared.events import is_blank
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.repository import glob_to_like, tags_match_any
 
@@ -125,7 +126,7 @@ async def search_knowledge(
 ) -> KnowledgeResults:
     """Embed the query (when there is one) and search. Raises EmbeddingError when the model fails."""
     vector = None
-    if query is not None and query.strip():
+    if query is not None and not is_blank(query):
         [vector] = await embed_texts([query], model=embedding_model, dimensions=dimensions, purpose="search")
     return await search_by_vector(
         session, project_id=project_id, vector=vector, filters=filters, limit=limit, min_score=min_score

@@ -75,8 +75,11 @@ async def test_content_limits(client: httpx.AsyncClient, memory: dict[str, Any])
     too_long = await write(client, memory["id"], "x" * 8_001)
     assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
     assert (await write(client, memory["id"], "")).status_code == 400
-    blank = await write(client, memory["id"], " \n\t ")
-    assert blank.status_code == 400 and blank.json()["error"]["meta"]["invalid_fields"][0]["field"] == "content"
+    for invisible in (" \n\t ", "\u200b\ufeff", " \u2060\u200d "):  # zero-width space, BOM, word joiner
+        blank = await write(client, memory["id"], invisible)
+        assert blank.status_code == 400 and blank.json()["error"]["meta"]["invalid_fields"][0]["field"] == "content"
+    search = await client.post("/knowledge/search", json={"project_id": memory["project_id"], "query": "\u200b"})
+    assert search.status_code == 400 and "query" in search.json()["error"]["meta"]["missing_fields"]
     assert (await write(client, memory["id"], "nul\u0000byte")).status_code == 400
     missing = await client.post("/memory-entries", json={"memory_id": memory["id"]})
     assert missing.json()["error"]["meta"]["missing_fields"] == ["content"]

@@ -16,6 +16,7 @@ from services.api.knowledge_schemas import (
 )
 from shared.context import reference_context
 from shared.embeddings import EmbeddingError
+from shared.events import is_blank
 from shared.search import KnowledgeFilter, search_knowledge
 
 router = APIRouter(prefix="/knowledge", tags=["knowledge"])
@@ -48,7 +49,7 @@ async def search(
 ) -> JSONResponse:
     project_id = await resolve_project(session, principal, body.project_id)
     filters = KnowledgeFilter(memory_ids=tuple(body.memory_ids), tag_patterns=tuple(body.memory_tags))
-    if not (body.query and body.query.strip()) and not filters.given:
+    if not (body.query and not is_blank(body.query)) and not filters.given:
         raise _nothing_to_search()
     try:
         found = await search_knowledge(
@@ -85,7 +86,7 @@ async def context(
     body: KnowledgeContextRequest, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> JSONResponse:
     project_id = await resolve_project(session, principal, body.project_id)
-    if not (body.message and body.message.strip()) and not body.knowledge_config.filters.given:
+    if not (body.message and not is_blank(body.message)) and not body.knowledge_config.filters.given:
         raise _nothing_to_search()
     try:
         built = await reference_context(
