@@ -134,3 +134,33 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
     finally:
         server.should_exit = True
         await serving
+
+
+class QuickHeadTimeout(BoundedHeadHttpTools):
+    head_timeout_s = 0.5
+
+
+async def test_a_request_head_that_never_completes_is_answered_408_and_closed() -> None:
+    app = FastAPI()
+
+    @app.get("/ok")
+    async def ok() -> dict[str, bool]:
+        return {"ok": True}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=QuickHeadTimeout, log_config=None))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        # A head that trickles in, and a connection that says nothing: each held a connection for ever.
+        trickled = await asyncio.to_thread(raw_exchange, port, b"GET /ok HTTP/1.1\r\n", b"host: x\r\n", pause=0.3)
+        assert trickled.startswith(b"HTTP/1.1 408 ") and b'"REQUEST_TIMEOUT"' in trickled
+        assert (await asyncio.to_thread(raw_exchange, port, b"", pause=0.8)).startswith(b"HTTP/1.1 408 ")
+        # Requests whose heads arrive in time are answered, also after an idle pause on a kept-alive connection.
+        request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
+        answered = await asyncio.to_thread(raw_exchange, port, request, request, pause=0.8)
+        assert answered.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in answered
+    finally:
+        server.should_exit = True
+        await serving

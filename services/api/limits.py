@@ -1,8 +1,9 @@
 """Refuse oversized requests before they are read into memory: bodies (an ASGI middleware) and heads (the HTTP
-protocol, where the headers are parsed)."""
+protocol, where the headers are parsed); and heads that take too long to arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -51,24 +52,64 @@ MAX_HEAD_BYTES = 64 * 1024
 with uvloop). The HTTP parser buffers a header until it ends, whatever its size."""
 
 
+HEAD_TIMEOUT_S = 15.0
+"""From a connection's opening, or a request's first byte, to the end of its head. uvicorn closes a kept-alive
+connection idle between requests, but would wait for ever for a head that never comes or trickles in."""
+
+
 class BoundedHeadHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing a request whose head (request line and headers) outgrows
     MAX_HEAD_BYTES with a 431, before the parser has buffered more than that and two network reads: with no
-    limit, one unauthenticated request could hold any amount of memory in a header."""
+    limit, one unauthenticated request could hold any amount of memory in a header. A head not complete within
+    `head_timeout_s` is answered 408 and the connection closed."""
+
+    head_timeout_s = HEAD_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None once the head of the current request is complete
         self._head_began_in_this_read = False
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_arrived()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
         self._head_began_in_this_read = True
+        self._await_head()
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
+        self._head_arrived()
         super().on_headers_complete()
+
+    def _await_head(self) -> None:
+        self._head_arrived()
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+
+    def _head_arrived(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:  # no answer of an earlier request under way
+            body = json.dumps({"error": {"code": "REQUEST_TIMEOUT", "message": _HEAD_TOO_SLOW}}).encode()
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         self._head_began_in_this_read = False
@@ -88,3 +129,4 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
 
 
 _HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
+_HEAD_TOO_SLOW = f"the request line and headers must arrive within {HEAD_TIMEOUT_S:g} s"
