@@ -72,7 +72,8 @@ def _refuse_boolean(value: Any) -> Any:
     return value
 
 
-MinScore = Annotated[float, BeforeValidator(_refuse_boolean), Field(ge=-1.0, le=1.0, allow_inf_nan=False)]
+# The bounds first: after a validator, pydantic publishes them as `ge`/`le`, which JSON Schema does not know.
+MinScore = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False), BeforeValidator(_refuse_boolean)]
 
 
 class _EitherCase(BaseModel):

@@ -25,6 +25,7 @@ class ConsumerProcess:
     def __init__(self, settings: Settings, *, pool_size: int, graceful_timeout: float) -> None:
         assert settings.database_url and settings.nats_url, "resolve the servers before starting a service"
         self.settings = settings
+        metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
         self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=graceful_timeout, logger=None)
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)

@@ -102,8 +102,16 @@ StoredContent = Annotated[
 WrittenContent = Annotated[StoredContent, AfterValidator(refuse_blank)]
 """What a client or a model may write as an entry's content (the bus event takes any StoredContent)."""
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
-ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
-"""A litellm model name as an agent names it (no provider's name is longer)."""
+def refuse_address(model: str) -> str:
+    # Some litellm providers (oobabooga, huggingface) call the URL a model's name holds, whatever the provider's
+    # registered address: a model named by a request must never point the service somewhere.
+    if "//" in model:
+        raise ValueError("must be a model's name, not an address")
+    return model
+
+
+ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_address)]
+"""A litellm model name as an agent or a provider's registration names it (no provider's name is longer)."""
 Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
 

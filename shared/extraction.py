@@ -30,6 +30,7 @@ from shared.events import (
     MemoryWriteRequested,
     SourceType,
     WriteAction,
+    is_blank,
     storable,
     utcnow,
 )
@@ -133,7 +134,7 @@ def parse_candidates(text: str) -> list[str]:
             content = storable(content).strip()
             # An over-long "fact" is a paragraph, not an atomic fact: dropped, not cut mid-sentence (a cut can
             # change what it says).
-            if content and len(content) <= CONTENT_MAX_CHARS:
+            if not is_blank(content) and len(content) <= CONTENT_MAX_CHARS:
                 facts.append(content)
     return facts[:MAX_CANDIDATES]
 

@@ -238,10 +238,17 @@ MODEL_LABELS_MAX = 100
 without a bound every name a tenant sends would be a set of series for as long as the process runs."""
 
 _model_labels: set[str] = set()
+_service_models: set[str] = set()
+
+
+def reserve_model_labels(*models: str | None) -> None:
+    """The service's own models (the embedder, `MEMORIES_MERGE_MODEL`) keep their label however many names
+    agents send before them."""
+    _service_models.update(model for model in models if model)
 
 
 def model_label(model: str) -> str:
-    if model in _model_labels:
+    if model in _model_labels or model in _service_models:
         return model
     if len(_model_labels) >= MODEL_LABELS_MAX or len(model) > 128:
         return "other"

@@ -52,18 +52,31 @@ IN_PROCESS_PROVIDERS = frozenset({"scripted"})
 
 
 def nameable(model: str, providers: frozenset[str]) -> str:
-    """`model`, named by a request itself (no registered provider or route behind it), if the service may call
-    it. Its provider is the part before the first "/": some litellm providers take the address to call from
-    the model name (`oobabooga/http://…`) or call a local server (`ollama/…`), so a tenant naming any model
-    could make the service post to an address of its choice and read the answer back. Raises ResolutionError."""
+    """`model`, named by a request itself (no registered provider or route behind it), as litellm is to be called
+    with it, if the service may call it. Its provider is the part before the first "/", or for a bare name
+    (`gpt-4o-mini`) the one litellm knows it by, which is then made explicit. Some litellm providers take the
+    address to call from the model's name (`oobabooga/http://…`) or call a local server (`ollama/…`), so a tenant
+    naming any model could make the service post to an address of its choice and read the answer back.
+    Raises ResolutionError."""
     provider, slash, _ = model.partition("/")
-    if not slash or provider not in providers | IN_PROCESS_PROVIDERS:
+    if not slash:
+        provider = _known_provider_of(model)
+    if not provider or provider not in providers | IN_PROCESS_PROVIDERS:
         shown = model if len(model) <= 80 else model[:80] + "…"
         raise ResolutionError(
-            f"model {shown!r}: a request may name a model as provider/model of {', '.join(sorted(providers)) or 'no provider'}"
-            " only (MEMORIES_AGENT_MODEL_PROVIDERS); register an AI provider for others"
+            f"model {shown!r}: a request may name models of {', '.join(sorted(providers)) or 'no provider'} only"
+            " (MEMORIES_AGENT_MODEL_PROVIDERS); register an AI provider for others"
         )
-    return model
+    return model if slash else f"{provider}/{model}"
+
+
+def _known_provider_of(model: str) -> str | None:
+    from shared.litellm_loader import load_litellm
+
+    try:
+        return str(load_litellm().get_llm_provider(model)[1])
+    except Exception:  # noqa: BLE001 - litellm raises its own errors for a name it cannot place
+        return None
 
 
 def litellm_model(provider: str, model: str) -> str:

@@ -201,21 +201,3 @@ def raw_exchange(port: int, *requests: bytes, pause: float = 0.0) -> bytes:
             while chunk := connection.recv(65536):
                 answered += chunk
     return answered
-
-
-@asynccontextmanager
-async def connection_counter() -> AsyncIterator[tuple[str, list[str]]]:
-    """A local address that records each connection made to it (answering nothing)."""
-    connections: list[str] = []
-
-    async def record(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(str(writer.get_extra_info("peername")))
-        writer.close()
-
-    server = await asyncio.start_server(record, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", connections
-    finally:
-        server.close()
-        await server.wait_closed()

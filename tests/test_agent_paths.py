@@ -28,7 +28,7 @@ from shared.ids import new_write_id
 from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.settings import Settings
 from shared.writes import WriteApplier
-from tests.conftest import connection_counter, open_api, wait_until_blocked_by
+from tests.conftest import open_api, wait_until_blocked_by
 
 EMAIL = "Customer prefers email over phone calls"
 EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
@@ -83,15 +83,16 @@ async def test_tool_write_records_agent_provenance(
     assert llm.calls == []  # nothing similar yet: no model call
 
 
-async def test_a_tool_call_naming_a_model_that_takes_its_address_from_its_name_merges_nothing(
+async def test_a_tool_call_naming_a_model_of_a_provider_not_allowed_merges_without_asking_it(
     client: httpx.AsyncClient, memory: dict[str, Any]
 ) -> None:
-    async with connection_counter() as (address, connections):
-        first = await tool_write(client, memory, EMAIL, f"oobabooga/{address}")
-        # Similar enough to merge: the writer would have asked that address to.
-        second = await tool_write(client, memory, EMAIL_DETAIL, f"oobabooga/{address}")
-        assert (first["action"], second["action"]) == ("created", "created")
-        assert connections == []
+    # ollama calls a server on the service's own host; no provider is allowed here (MEMORIES_AGENT_MODEL_PROVIDERS).
+    first = await tool_write(client, memory, EMAIL, "ollama/llama3")
+    second = await tool_write(client, memory, EMAIL_DETAIL, "ollama/llama3")  # similar enough to merge
+    assert (first["action"], second["action"]) == ("created", "created")
+    [record] = (await client.get(f"/memory-entries/{second['entry_id']}/history")).json()["data"]
+    # Asked, the unreachable server would have made it "merge_failed", with the model named.
+    assert record["model"] is None and "merge" not in record["rule"], record
 
 
 async def test_tool_target_is_fixed_by_write_memory_id(

@@ -113,6 +113,9 @@ async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) 
          b'{"generation_id": "g", "agent": {}, "messages": [{"role": "user", "content": "\\ud83d"}]}',
          "messages.0.content"),
         ("/memory-entries", b'{"memory_id": "mem_x", "content": "x", "metadata": {"k\\ud800": 1}}', "metadata.k\ufffd"),
+        # Not escaped: UTF-8 bytes of a surrogate (Python's parser takes them), and UTF-16, no JSON text either.
+        ("/generations/completed", b'{"generation_id": "g", "agent": {"id": "a\xed\xa0\x80"}, "messages": []}', "body"),
+        ("/tools/write_memory", '{"content": "x", "generation_id": "g", "agent": {}}'.encode("utf-16"), "body"),
     ],
 )
 async def test_a_lone_surrogate_anywhere_in_a_body_is_a_400(
@@ -294,6 +297,26 @@ async def test_a_query_parameter_the_route_does_not_take_is_refused_not_ignored(
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
+        # oobabooga and huggingface call the URL in a model's name, even behind a provider registered elsewhere.
+        ("/tools/write_memory", {"content": "x", "agent": {"ai_provider_id": "aip_x", "model": "http://10.0.0.1/"}},
+         "agent.model"),
+        ("/generations/completed", {"generation_id": "g", "agent": {"model": "oobabooga/http://10.0.0.1"}},
+         "agent.model"),
+        ("/ai-providers", {"name": "p", "provider": "huggingface", "default_model": "https://10.0.0.1/x"},
+         "default_model"),
+    ],
+)
+async def test_a_model_name_may_not_be_an_address(
+    client: httpx.AsyncClient, project: dict[str, Any], path: str, body: dict[str, Any], field: str
+) -> None:
+    response = await client.post(path, json={"project_id": project["id"], **body})
+    assert_envelope(response, 400)
+    assert field in [f["field"] for f in response.json()["error"]["meta"]["invalid_fields"]]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
         ("/tools/write_memory", {"content": "x", "agent": {"model": "openai/" + "m" * 300}}, "agent.model"),
         ("/generations/completed", {"generation_id": "g", "agent": {"model": "m" * 256}, "messages": []}, "agent.model"),
         ("/knowledge/context",
@@ -308,3 +331,11 @@ async def test_a_model_name_is_at_most_255_characters(
     response = await client.post(path, json={"project_id": project["id"], **body})
     assert_envelope(response, 400)
     assert field in [f["field"] for f in response.json()["error"]["meta"]["invalid_fields"]]
+
+
+async def test_a_body_sent_to_a_route_that_takes_none_is_not_parsed(client: httpx.AsyncClient) -> None:
+    # Deep enough to overflow Python's parser: a route without a body must not read it at all, token or not.
+    deep = b"[" * 60_000 + b'"\\ud800"' + b"]" * 60_000
+    for headers in ({}, {"Authorization": "Bearer not-a-token"}):
+        response = await client.request("GET", "/memories", content=deep, headers=headers)
+        assert response.status_code in (400, 401), response.text

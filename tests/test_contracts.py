@@ -66,3 +66,19 @@ def test_the_document_tells_the_error_envelope_not_fastapis_422() -> None:
         responses = document["paths"][path]["post"]["responses"]
         assert {status: responses[status]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
                 for status in ("200", "201", "202")} == {"200": "EntryWritten", "201": "EntryWritten", "202": "WriteAccepted"}
+
+
+def test_every_bound_is_published_as_json_schema_knows_it() -> None:
+    # Pydantic writes `ge`/`le` (no JSON Schema keyword, so generated clients drop the range) for a bound it
+    # meets after a validator in an Annotated type; `minimum`/`maximum` otherwise.
+    def keys(value: object) -> set[str]:
+        if isinstance(value, dict):
+            return set(value).union(*(keys(child) for child in value.values()))
+        if isinstance(value, list):
+            return set().union(*(keys(child) for child in value))
+        return set()
+
+    for document in (openapi(), asyncapi()):
+        assert keys(document) & {"ge", "le", "gt", "lt"} == set()
+    search = openapi()["components"]["schemas"]["KnowledgeSearch"]["properties"]["min_score"]
+    assert {"minimum": -1.0, "maximum": 1.0}.items() <= search["anyOf"][0].items()

@@ -118,6 +118,7 @@ def test_the_transcript_is_what_was_said_one_line_a_message() -> None:
         ('[1, 2', []),
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
         ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
+        ('["\\u200b", "\\ufeff \\u200b", "C"]', ["C"]),  # invisible characters only: blank, as a client's would be
         # A paragraph is no atomic fact: dropped, never cut to the limit mid-sentence.
         (json.dumps(["A", "x" * 8_001, "y" * 8_000]), ["A", "y" * 8_000]),
     ],
@@ -181,9 +182,9 @@ def test_resolution_meters_against_the_provider() -> None:
         ({}, {"model_route_id": "route_missing"}),
         ({}, {}),
         # a model named by the request itself, of a provider it may not name
-        ({}, {"model": "oobabooga/http://127.0.0.1:8000/api/v1/projects#"}),
+        ({}, {"model": "oobabooga/x"}),  # (an address in a name is refused before: events.ModelName)
         ({"model": "ollama/llama3"}, {}),
-        ({}, {"model": "gpt-4o-mini"}),  # no provider: refused, not guessed
+        ({}, {"model": "no-such-model"}),  # no provider litellm knows
         ({}, {"model": "anthropic/claude-x"}),
     ],
 )
@@ -200,6 +201,9 @@ def test_a_request_names_models_of_the_providers_the_service_is_configured_for()
         return target.model
 
     assert resolved("openai/gpt-4o", frozenset({"openai"})) == "openai/gpt-4o"
+    assert resolved("gpt-4o-mini", frozenset({"openai"})) == "openai/gpt-4o-mini"  # litellm's own reading, explicit
+    with pytest.raises(ResolutionError):
+        resolved("gpt-4o-mini", frozenset({"anthropic"}))
     assert resolved(None, frozenset(), service_model="ollama/llama3") == "ollama/llama3"  # the operator's own
     with pytest.raises(ResolutionError, match="MEMORIES_AGENT_MODEL_PROVIDERS"):
         resolved("ollama/llama3", frozenset({"openai"}), service_model="ollama/llama3")

@@ -635,12 +635,15 @@ async def test_the_lag_poller_stops_when_a_request_swallowed_its_cancellation() 
 
 def test_model_labels_are_bounded_whatever_names_agents_send(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(metrics, "_model_labels", set())
+    monkeypatch.setattr(metrics, "_service_models", set())
     monkeypatch.setattr(metrics, "MODEL_LABELS_MAX", 3)
-    names = [f"scripted/bounded-{i}" for i in range(6)] + ["scripted/" + "x" * 200]
+    metrics.reserve_model_labels("scripted/bounded-service", None)
+    names = [f"scripted/bounded-{i}" for i in range(6)] + ["scripted/" + "x" * 200, "scripted/bounded-service"]
     for name in names:
         with metrics.track_llm(name, "merge") as call:
             call.add_tokens(prompt=1)
     seen = {name: count("memories_llm_seconds_count", model=name, purpose="merge") for name in names}
-    assert seen == {name: 1 if index < 3 else 0 for index, name in enumerate(names)}
+    # The first three names agents sent, and the service's own model after all of them.
+    assert seen == {name: 1 if index < 3 or name.endswith("service") else 0 for index, name in enumerate(names)}
     assert count("memories_llm_seconds_count", model="other", purpose="merge") >= 4
     assert count("memories_llm_tokens_total", model="scripted/bounded-5", purpose="merge", kind="prompt") == 0

@@ -59,20 +59,29 @@ async def refuse_unknown_query_parameters(request: Request) -> None:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-"""A JSON escape of a surrogate, paired or not: the only way a lone one gets into a UTF-8 body."""
+"""A JSON escape of a surrogate, paired or not: in a strict UTF-8 body, the only way a lone one gets in."""
 
 
 async def refuse_lone_surrogates(request: Request) -> None:
-    """A lone surrogate (`"\\ud800"`: valid JSON, half of a UTF-16 pair, as a JavaScript client that cut a string
-    through an emoji sends it) anywhere in a body is a 400: no UTF-8 text, so no column, log line or event, can
-    hold it. Bodies without a surrogate escape (nearly all) cost one scan of their bytes."""
+    """A body is UTF-8 JSON (RFC 8259), and a lone surrogate in it (`"\\ud800"`: valid JSON, half of a UTF-16
+    pair, as a JavaScript client that cut a string through an emoji sends it) is a 400: no UTF-8 text, so no
+    column, log line or event, can hold it. Python's parser would also take UTF-16 and UTF-8 with encoded
+    surrogates. A body without a surrogate escape (nearly all) costs a decode and one scan of its bytes."""
+    route: APIRoute = request.scope["route"]
+    if route.body_field is None:
+        return  # FastAPI does not read a body this route does not take, and neither does this
     body = await request.body()
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        message = f"must be UTF-8 text: byte {exc.start} is not"
+        raise RequestValidationError([{"type": "utf8", "loc": ("body",), "msg": message}]) from None
     if not _SURROGATE_ESCAPE.search(body):
         return
     try:
         value = json.loads(body)
-    except ValueError:
-        return  # not JSON: the route's own validation says so
+    except (ValueError, RecursionError):
+        return  # the route's own parsing says what is wrong
     where = _lone_surrogate_at(value)
     if where is not None:
         message = "must be Unicode text: a lone surrogate (half of a UTF-16 pair) is no character"

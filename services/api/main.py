@@ -40,6 +40,7 @@ MAX_BODY_BYTES = 256 * 1024
 
 
 def create_app(settings: Settings) -> FastAPI:
+    service_metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert settings.database_url and settings.nats_url, "resolve the servers before building the app"

@@ -13,11 +13,11 @@ from services.api.pagination import PagingDep, page_of
 from services.api.schemas import Name, Page, Strict, Timestamp
 from shared import registry
 from shared.agents import KeyVariable, ProviderAddress, redact_address
-from shared.events import Text
+from shared.events import ModelName, Text
 
 router = APIRouter(tags=["model registry"])
 
-ModelName = Annotated[Text, Field(min_length=1, max_length=255)]
+RegisteredModel = Annotated[ModelName, Field(min_length=1)]
 
 
 class ProviderCreate(Strict):
@@ -26,7 +26,7 @@ class ProviderCreate(Strict):
     provider: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,64}$", description="litellm prefix, e.g. openai")]
     api_base: ProviderAddress | None = None
     api_key_env: KeyVariable | None = Field(default=None, description="NAME of the env variable with the key")
-    default_model: ModelName | None = None
+    default_model: RegisteredModel | None = None
 
 
 class ProviderOut(BaseModel):
@@ -46,7 +46,7 @@ class ProviderOut(BaseModel):
 
 class RouteTarget(Strict):
     ai_provider_id: Text
-    model: ModelName | None = None
+    model: RegisteredModel | None = None
 
 
 class RouteCreate(Strict):
