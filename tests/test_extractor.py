@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import bus, registry
 from shared.events import GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
+from shared.llm import LlmError
 from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
@@ -248,6 +249,9 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
         OperationalError("SELECT 1", {}, Exception("the database is down")),
         BusUnavailable("no servers"),
         WritesRefused("1 of 1 writes refused while a dependency was down"),
+        # The writer down: dead-lettered after ~80 s, the turn was left failed while its facts were written later.
+        WritesPending("1 of 1 writes not decided in time"),
+        WritesPending("1 of 1 writes not decided in time"),
         done,
     ]
 
@@ -263,8 +267,8 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
     event = GenerationCompleted(event_id="evt_x", project_id="proj_x", generation_id="gen_x", agent=GenerationAgent())
     assert await service.extract_through_outages(event, arrived_at=None) is done and outcomes == []
     # Anything else is the turn's own failure: handed to the caller, which counts it towards MEMORIES_MAX_DELIVER.
-    outcomes[:] = [WritesPending("1 of 1 writes not decided in time")]
-    with pytest.raises(WritesPending):
+    outcomes[:] = [LlmError("the model failed")]
+    with pytest.raises(LlmError):
         await service.extract_through_outages(event, arrived_at=None)
     # So are refusals that outlast MEMORIES_MAX_DELIVER waits: a text the embedder always rejects looks the same.
     refused = WritesRefused("1 of 1 writes refused while a dependency was down")

@@ -98,14 +98,18 @@ class ExtractorService(ConsumerProcess):
         await self._announce(event, result)
 
     async def extract_through_outages(self, event: GenerationCompleted, *, arrived_at: datetime | None) -> ExtractionResult:
-        """The turn's extraction. An outage (the database, the bus, the embedder refusing writes) is waited out in
-        place, the message kept in progress: handed back, each delivery would count towards MEMORIES_MAX_DELIVER,
-        and a turn held through an outage would be dead-lettered at its first real failure."""
+        """The turn's extraction. An outage (the database, the bus, the embedder refusing writes, the writer not
+        deciding its queued writes) is waited out in place, the message kept in progress: handed back, each
+        delivery would count towards MEMORIES_MAX_DELIVER, and a turn held through an outage would be
+        dead-lettered (its facts written later all the same, its status left failed)."""
         assert self._extractor is not None
         pause, refusals = self.settings.memories_retry_backoff_s, 0
         while True:
             try:
                 return await self._extractor.extract(event, arrived_at=arrived_at)
+            except WritesPending as exc:
+                # Queued on the stream: decided once a writer runs (or failed by it, an outcome too), never lost.
+                log.warning("extraction waits for its queued writes: %s", exc)
             except WritesRefused:
                 # Refused for now, or for good (a text the embedder always rejects looks the same): waited out a
                 # while, then handed back and counted, like a model failure.
