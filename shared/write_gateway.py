@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from datetime import datetime
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -98,15 +99,23 @@ class WriteGateway:
                 await self._record_pending(event)
             return outcome
         fingerprint = request_hash(event) if client_key else None
-        record, owned = await self._claim(event, fingerprint)
-        if repo.claimed_by_another_request(record, fingerprint):
-            raise IdempotencyKeyReused(event.write_id)
-        if record.status == "applied":
-            return outcome_of(record)
-        if not owned:
-            return await self._await_stored(event.write_id, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            record, owned = await self._claim(event, fingerprint)
+            if repo.claimed_by_another_request(record, fingerprint):
+                raise IdempotencyKeyReused(event.write_id)
+            if record.status == "applied":
+                return outcome_of(record)
+            if owned:
+                break
+            try:
+                return await self._await_stored(event.write_id, deadline, claimed_at=record.updated_at)
+            except _ClaimReleased:
+                continue  # its owner could not publish it (and answered 503): claimed again, and published here
         try:
-            return await self._publish_and_wait(event, attempt=record.failed_attempts, timeout=timeout)
+            return await self._publish_and_wait(
+                event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
+            )
         except BusUnavailable:
             await self._release_claim(event.write_id)
             raise
@@ -174,13 +183,21 @@ class WriteGateway:
         finally:
             self._waiting.pop(event.write_id, None)
 
-    async def _await_stored(self, write_id: str, timeout: float) -> MemoryWriteOutcome | None:
-        """Another caller owns this write's attempt; its outcome shows up in the database."""
-        deadline = time.monotonic() + timeout
+    async def _await_stored(
+        self, write_id: str, deadline: float, *, claimed_at: datetime
+    ) -> MemoryWriteOutcome | None:
+        """Another caller owns this write's attempt; its outcome shows up in the database. None when it does not
+        in time (a 202: the write is queued). Raises _ClaimReleased when the owner gave the claim up unpublished."""
         while time.monotonic() < deadline:
             async with self._sessions() as session:
                 record = await repo.get_write_outcome(session, write_id)
             if record is not None and record.status != "pending":
                 return outcome_of(record)
+            if record is not None and record.updated_at < claimed_at:  # aged by `repository.release_write_claim`
+                raise _ClaimReleased
             await asyncio.sleep(_POLL_INTERVAL_S)
         return None
+
+
+class _ClaimReleased(Exception):
+    pass

@@ -434,6 +434,32 @@ async def test_a_failure_recorded_while_another_delivery_applies_the_write_keeps
     assert stored is not None and stored.status == "applied"
 
 
+async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write_itself(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], writers: list[Any]
+) -> None:
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Parcels leave at noon"
+    )
+    async with sessions() as session:  # another request with the same key owns the write
+        await repo.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        await session.commit()
+    nc = await nats.connect(settings.nats_url)
+    gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+    await gateway.start()
+    try:
+        waiting = asyncio.create_task(gateway.submit(event, timeout=10))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        async with sessions() as session:  # its owner could not publish (NATS down): a 503, and the claim given up
+            await repo.release_write_claim(session, event.write_id)
+            await session.commit()
+        # Before, this caller waited out its timeout and answered 202 for a write nobody had published.
+        outcome = await waiting
+    finally:
+        await nc.close()
+    assert outcome is not None and outcome.action is not None and outcome.action.value == "created"
+
+
 def test_a_caller_waits_for_its_write_less_than_a_retry_waits_to_take_it_over() -> None:
     # Longer, and a retry with the same key would republish the write while its first caller still waits for it.
     assert timedelta(seconds=PUBLISH_TIMEOUT_S + WRITE_TIMEOUT_MAX_S) < repo.STALE_PENDING
