@@ -281,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader of the output went away (`memories dlq list | head`): what it wanted it has; no traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command killed by SIGPIPE
     except ValidationError as exc:
         if exc.title != Settings.__name__:
             raise

@@ -533,3 +533,16 @@ def test_a_long_wide_cell_is_cut_to_its_columns(capsys: pytest.CaptureFixture[st
     print_table([{"content": "漢" * 100}], [("CONTENT", lambda row: row["content"])])
     cell = capsys.readouterr().out.splitlines()[1]
     assert cell.endswith("…") and display_width(cell) <= 60
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from services import cli
+
+    # `memories … | head`: the reader has left; what is left to print must not end in a BrokenPipeError traceback.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", closefd=True) as gone:
+        monkeypatch.setattr("sys.stdout", gone)
+        assert cli.main(["openapi", "--output", "-"]) == 141
