@@ -227,11 +227,13 @@ async def test_api_stays_ready_only_while_both_servers_are(system: System) -> No
 
 async def test_a_write_refused_while_nats_is_down_goes_through_on_its_first_retry(system: System) -> None:
     """A 503 must not leave the write claimed: the first retry after the outage publishes it at once,
-    rather than waiting for the claim to go stale."""
+    rather than waiting for the claim to go stale. Nor may a refused turn reach the stream after all."""
     await system.ensure_running(WRITERS)
-    _, (memory_id,) = await create_memories(system, 1)
+    project_id, (memory_id,) = await create_memories(system, 1)
     body = {"memory_id": memory_id, "content": "Refused once, then written"}
     headers = {"Idempotency-Key": "refused-then-written"}
+    turn = {"project_id": project_id, "generation_id": "gen_refused", "agent": {}, "messages": []}
+    turns_before = await stream_messages(system, bus.GENERATIONS_STREAM)
     async with admin_client(system) as client, httpx.AsyncClient(base_url=system.api_url, timeout=10) as probe:
         await asyncio.to_thread(system.nats[0].stop)
         try:
@@ -239,16 +241,29 @@ async def test_a_write_refused_while_nats_is_down_goes_through_on_its_first_retr
             while (await probe.get("/readyz")).status_code == 200 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             refused = await client.post("/memory-entries", json=body, headers=headers)
+            refused_turn = await client.post("/generations/completed", json=turn)
         finally:
             await asyncio.to_thread(system.nats[0].start)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "SERVICE_UNAVAILABLE"
+        assert refused_turn.status_code == 503, refused_turn.text
         deadline = time.monotonic() + 20
         while (await probe.get("/readyz")).status_code != 200:
             assert time.monotonic() < deadline, "the API did not reconnect to NATS"
             await asyncio.sleep(0.2)
         retried = await client.post("/memory-entries", json=body, headers=headers)
         assert retried.status_code == 201, retried.text
+        # The turn told 503 was not buffered by the client and published on reconnection behind its back.
+        await asyncio.sleep(1.0)
+        assert await stream_messages(system, bus.GENERATIONS_STREAM) == turns_before
+
+
+async def stream_messages(system: System, stream: str) -> int:
+    nc = await nats.connect(system.nats_url)
+    try:
+        return int((await nc.jetstream().stream_info(stream)).state.messages)
+    finally:
+        await nc.close()
 
 
 async def test_a_session_whose_connection_was_dropped_closes_without_raising(system: System) -> None:

@@ -108,8 +108,13 @@ async def generation_completed(
     message_id = f"generation:{project_id}:{event.generation_id}"
     if retry_of is not None:
         message_id += f":retry-of:{retry_of}"
+    nc = request.app.state.nats
     try:
-        await request.app.state.nats.jetstream().publish(
+        if not nc.is_connected:
+            # Refused rather than buffered by the client, as a write is (shared.write_gateway): a buffered publish
+            # would reach the stream whenever the connection comes back, long after this caller was told 503.
+            raise NatsError("not connected to NATS")
+        await nc.jetstream().publish(
             bus.generation_completed_subject(project_id),
             event.model_dump_json().encode(),
             stream=bus.GENERATIONS_STREAM,
