@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             # On the API's address (local unless --host says otherwise): /metrics and the probes need no token.
             child_env = {**env, "MEMORIES_METRICS_PORT": str(metrics_ports.get(service, 0)),
                          "MEMORIES_METRICS_HOST": env["MEMORIES_HOST"]}
-            children.append(subprocess.Popen([sys.executable, "-m", "services.cli", service], env=child_env))
+            command = [sys.executable, "-m", "services.cli", service]
+            # `up` runs no thread of its own that the fork could catch holding a lock.
+            ends = _ends_with(os.getpid())
+            children.append(subprocess.Popen(command, env=child_env, preexec_fn=ends))  # noqa: PLW1509
         _announce(env, settings, metrics_ports)
         return _supervise(children)
     finally:
@@ -115,6 +118,24 @@ def cmd_up(args: argparse.Namespace) -> int:
             noted_nats.unlink(missing_ok=True)
         for server in reversed(started):
             server.stop()
+
+
+def _ends_with(parent: int) -> Callable[[], None] | None:
+    """For a child of `up`, run before its exec: SIGTERM when `up` dies, even by SIGKILL (Linux's parent-death
+    signal), so that no service outlives it holding the port (the servers it started are stopped by the next
+    `up`, through their pid files)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def ask_for_sigterm() -> None:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # `up` died before the request took effect
+            os._exit(0)
+
+    return ask_for_sigterm
 
 
 def _metrics_ports(settings: Settings) -> dict[str, int]:
@@ -139,8 +160,9 @@ def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, 
         lines.append(
             "No LLM is configured here (none can be installed offline): agent merges fall back to create, "
             "`arbitrate` memories to the `guarded` rule, and "
-            "automatic extraction is off until a model is named - an agent's `model`, a project's AI provider "
-            "or model route (/api/v1/ai-providers, /api/v1/model-routes), or MEMORIES_MERGE_MODEL."
+            "automatic extraction is off until a model is named - a project's AI provider or model route "
+            "(/api/v1/ai-providers, /api/v1/model-routes), MEMORIES_MERGE_MODEL, or an agent's `model` of a "
+            "provider in MEMORIES_AGENT_MODEL_PROVIDERS."
         )
     print("\n".join(lines), flush=True)
 

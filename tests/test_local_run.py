@@ -3,6 +3,7 @@ the three services, a write that goes through them, the one-shot commands findin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -73,3 +75,62 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
         assert stopped.returncode == 2 and "no `memories up` is running" in stopped.stderr
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _ready(base: str, up: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert up.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the local run never became ready"
+        time.sleep(0.5)
+
+
+def test_up_killed_outright_takes_its_services_with_it_and_starts_again() -> None:
+    import psutil
+
+    root = Path(tempfile.mkdtemp(prefix="memories-up-killed-"))
+    data, port = root / "data", free_port()
+    env = {name: value for name, value in os.environ.items() if name not in _SERVER_SETTINGS}
+    env |= {"MEMORIES_DATA_DIR": str(data), "MEMORIES_PORT": str(port)}
+    base, runs = f"http://127.0.0.1:{port}", []
+    try:
+        for attempt in ("first", "again"):
+            log_path = root / f"up-{attempt}.log"
+            with log_path.open("wb") as log:
+                up = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+            runs.append(up)
+            _ready(base, up, log_path)
+            if attempt == "again":
+                break
+            services = [p for p in psutil.Process(up.pid).children() if "services.cli" in " ".join(p.cmdline())]
+            assert len(services) == 3
+            up.kill()  # SIGKILL: no chance to stop anything
+            up.wait(timeout=10)
+            # Before, the api, writer and extractor lived on (the API holding the port), and the next `up` failed.
+            _, alive = psutil.wait_procs(services, timeout=30)
+            assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        for up in runs:
+            if up.poll() is None:
+                up.send_signal(signal.SIGINT)
+                try:
+                    up.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    up.kill()
+        # Whatever a failed run left: its servers (named by the data dir) and services (children of the killed `up`).
+        leftovers = [p for p in psutil.process_iter(["cmdline", "environ"]) if _of_this_run(p, str(root))]
+        for process in leftovers:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _of_this_run(process: Any, root: str) -> bool:
+    command = " ".join(process.info["cmdline"] or [])
+    return root in command or root in ((process.info["environ"] or {}).get("MEMORIES_DATA_DIR") or "")
