@@ -339,3 +339,20 @@ async def test_a_body_sent_to_a_route_that_takes_none_is_not_parsed(client: http
     for headers in ({}, {"Authorization": "Bearer not-a-token"}):
         response = await client.request("GET", "/memories", content=deep, headers=headers)
         assert response.status_code in (400, 401), response.text
+
+
+def test_every_api_route_refuses_what_no_route_takes() -> None:
+    # A router made without the route class would take unknown parameters and broken text again, unnoticed.
+    import importlib
+    import pkgutil
+
+    from fastapi.routing import APIRoute
+
+    from services.api import routes
+    from services.api.routing import CheckedRoute
+
+    outside_the_api = {"health", "metrics"}  # probes and Prometheus, not under /api/v1
+    modules = [importlib.import_module(f"{routes.__name__}.{m.name}") for m in pkgutil.iter_modules(routes.__path__)]
+    api_routes = [r for m in modules if m.__name__.rsplit(".", 1)[1] not in outside_the_api for r in m.router.routes]
+    assert len(api_routes) > 30 and all(isinstance(r, APIRoute) for r in api_routes)
+    assert [r.path for r in api_routes if not isinstance(r, CheckedRoute)] == []

@@ -7,10 +7,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 
 from services.api import errors
-from services.api.deps import refuse_lone_surrogates, refuse_unknown_query_parameters
 from services.api.keys import LiveKeys
 from services.api.limits import BodySizeLimit
 from services.api.observed import ResponseCounter
@@ -88,10 +87,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(ResponseCounter)  # outermost of ours: counts the body limit's 413s too
-    api = APIRouter(
-        prefix=API_PREFIX,
-        dependencies=[Depends(refuse_unknown_query_parameters), Depends(refuse_lone_surrogates)],
-    )
+    api = APIRouter(prefix=API_PREFIX)
     for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, providers):
         api.include_router(module.router)
     app.include_router(api)

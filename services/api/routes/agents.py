@@ -22,6 +22,7 @@ from services.api.deps import (
 from services.api.errors import ApiError, invalid
 from services.api.routes.entries import WRITE_RESPONSES, load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
+from services.api.routing import CheckedRoute
 from services.api.schemas import Metadata, Strict, Tags, Timestamp
 from shared import registry
 from shared import repository as repo
@@ -31,7 +32,7 @@ from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
 
-router = APIRouter(tags=["agents"])
+router = APIRouter(tags=["agents"], route_class=CheckedRoute)
 log = logging.getLogger("memories.api")
 
 

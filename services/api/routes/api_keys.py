@@ -14,13 +14,14 @@ from pydantic import AfterValidator, BaseModel, Field
 from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import not_found
 from services.api.pagination import PagingDep
+from services.api.routing import CheckedRoute
 from services.api.schemas import Name, OptionalTimestamp, Page, Strict, Timestamp
 from shared import iam
 from shared import repository as repo
 from shared.db.models import ApiKey
 from shared.ids import API_KEY_PREFIX, is_valid_id
 
-router = APIRouter(prefix="/api-keys", tags=["api keys"])
+router = APIRouter(prefix="/api-keys", tags=["api keys"], route_class=CheckedRoute)
 
 MAX_ACTIONS = 64
 

@@ -13,6 +13,7 @@ from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, Settings
 from services.api.errors import ApiError, envelope, invalid, not_found
 from services.api.pagination import PagingDep
 from services.api.routes.memories import load_memory, writable_memory_project
+from services.api.routing import CheckedRoute
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
 from shared import bus
 from shared import repository as repo
@@ -31,7 +32,7 @@ from shared.repository import HistoryRow
 from shared.settings import Settings
 from shared.write_gateway import BusUnavailable, IdempotencyKeyReused
 
-router = APIRouter(prefix="/memory-entries", tags=["memory entries"])
+router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 

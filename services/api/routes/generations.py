@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, StrictBool, ValidationError, field_valida
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
+from services.api.routing import CheckedRoute
 from services.api.schemas import Strict, Timestamp
 from shared import bus, registry
 from shared.agents import KnowledgeConfig
@@ -27,7 +28,7 @@ from shared.events import (
 )
 from shared.ids import new_id
 
-router = APIRouter(prefix="/generations", tags=["extraction"])
+router = APIRouter(prefix="/generations", tags=["extraction"], route_class=CheckedRoute)
 
 
 class CompletedTurn(Strict):

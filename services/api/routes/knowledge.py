@@ -14,12 +14,13 @@ from services.api.knowledge_schemas import (
     KnowledgeSearch,
     KnowledgeSearchResponse,
 )
+from services.api.routing import CheckedRoute
 from shared.context import reference_context
 from shared.embeddings import EmbeddingError
 from shared.events import is_blank
 from shared.search import KnowledgeFilter, search_knowledge
 
-router = APIRouter(prefix="/knowledge", tags=["knowledge"])
+router = APIRouter(prefix="/knowledge", tags=["knowledge"], route_class=CheckedRoute)
 
 
 def _nothing_to_search() -> ApiError:

@@ -18,6 +18,7 @@ from services.api.deps import (
 )
 from services.api.errors import invalid, not_found
 from services.api.pagination import PagingDep
+from services.api.routing import CheckedRoute
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
 from shared.agents import MAX_TAG_PATTERNS
@@ -25,7 +26,7 @@ from shared.db.models import Memory
 from shared.events import Tag
 from shared.ids import MEMORY_PREFIX, is_valid_id
 
-router = APIRouter(prefix="/memories", tags=["memories"])
+router = APIRouter(prefix="/memories", tags=["memories"], route_class=CheckedRoute)
 
 
 

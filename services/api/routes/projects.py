@@ -6,10 +6,11 @@ from fastapi import APIRouter, status
 
 from services.api.deps import AdminDep, SessionDep
 from services.api.pagination import PagingDep
+from services.api.routing import CheckedRoute
 from services.api.schemas import Page, ProjectCreate, ProjectOut
 from shared import repository as repo
 
-router = APIRouter(prefix="/projects", tags=["projects"])
+router = APIRouter(prefix="/projects", tags=["projects"], route_class=CheckedRoute)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, summary="Create a project")

@@ -10,12 +10,13 @@ from pydantic import BaseModel, Field, field_serializer
 from services.api.deps import AdminDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.pagination import PagingDep, page_of
+from services.api.routing import CheckedRoute
 from services.api.schemas import Name, Page, Strict, Timestamp
 from shared import registry
 from shared.agents import KeyVariable, ProviderAddress, redact_address
 from shared.events import ModelName, Text
 
-router = APIRouter(tags=["model registry"])
+router = APIRouter(tags=["model registry"], route_class=CheckedRoute)
 
 RegisteredModel = Annotated[ModelName, Field(min_length=1)]
 

@@ -6,11 +6,12 @@ from fastapi import APIRouter
 
 from services.api.deps import PrincipalDep, ReadSessionDep, require, scope
 from services.api.errors import not_found
+from services.api.routing import CheckedRoute
 from services.api.schemas import WriteStatus
 from shared import repository as repo
 from shared.ids import is_valid_write_id
 
-router = APIRouter(prefix="/memory-writes", tags=["memory entries"])
+router = APIRouter(prefix="/memory-writes", tags=["memory entries"], route_class=CheckedRoute)
 
 
 # Who got a 202 polls here, and the outcome only names an entry a reader may fetch anyway:
