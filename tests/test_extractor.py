@@ -553,6 +553,8 @@ async def test_a_retry_that_cannot_be_published_leaves_the_turn_failed(
         await registry.save_extraction(session, memory["project_id"], "gen_unpublished", failed)
 
     class BusDown:
+        is_connected = True  # connected, as far as the client knows, and the publish fails
+
         def jetstream(self) -> BusDown:
             return self
 
