@@ -120,6 +120,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (poll reports an error on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def _ends_with(parent: int) -> Callable[[], None] | None:
     """For a child of `up`, run before its exec: SIGTERM when `up` dies, even by SIGKILL (Linux's parent-death
     signal), so that no service outlives it holding the port (the servers it started are stopped by the next
@@ -127,11 +139,13 @@ def _ends_with(parent: int) -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
         return None
 
-    def ask_for_sigterm() -> None:
-        import ctypes
+    import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    prctl = ctypes.CDLL(None).prctl  # resolved here: between fork and exec the child only calls it
+    pr_set_pdeathsig = 1
+
+    def ask_for_sigterm() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
         if os.getppid() != parent:  # `up` died before the request took effect
             os._exit(0)
 
@@ -304,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's, say: a real error
         # The reader of the output went away (`memories dlq list | head`): what it wanted it has; no traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a shell reports a command killed by SIGPIPE

@@ -39,6 +39,7 @@ from shared.llm import Completion, LlmError, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway
+from shared.writes import REFUSED_FOR_NOW
 
 log = logging.getLogger("memories.extraction")
 
@@ -276,7 +277,11 @@ class Extractor:
             for index, fact in enumerate(facts)
         ]
         # One memory, so the writer decides them one at a time anyway; submitting together saves round trips.
-        outcomes = await asyncio.gather(*(self._gateway.submit(w, timeout=self._write_timeout) for w in writes))
+        # A fact the writer failed for good (set aside for an operator) is counted failed, not submitted again:
+        # resubmitted, it would be failed again and again while the turn waited for it.
+        outcomes = await asyncio.gather(
+            *(self._gateway.submit(w, timeout=self._write_timeout, retry_failed=REFUSED_FOR_NOW) for w in writes)
+        )
         # Extracted again, the turn finds the decided writes by their ids, waits for the queued ones and submits
         # the refused ones again; counted as failed, a fact refused while the embedder was down would be lost.
         if refused := sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome)):

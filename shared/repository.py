@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,6 +29,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    true,
     tuple_,
     update,
 )
@@ -366,12 +367,18 @@ def claimed_by_another_request(outcome: WriteOutcome, request_hash: str | None) 
 
 
 async def claim_write_id(
-    session: AsyncSession, write_id: str, project_id: str, memory_id: str, request_hash: str | None = None
+    session: AsyncSession,
+    write_id: str,
+    project_id: str,
+    memory_id: str,
+    request_hash: str | None = None,
+    *,
+    retry_failed: Collection[str] | None = None,
 ) -> tuple[WriteOutcome, bool]:
     """Record a write as pending unless its id is known. Returns the record and whether this call owns the
-    attempt: a new id, or one whose earlier attempt failed (a retry), or one left pending by a caller that
-    gave up (its publish may never have happened; the bus drops it if it did). The caller compares the
-    record's `request_hash` with its own before it uses the record."""
+    attempt: a new id, or one whose earlier attempt failed (a retry; with `retry_failed`, only a failure of those
+    codes), or one left pending by a caller that gave up (its publish may never have happened; the bus drops it
+    if it did). The caller compares the record's `request_hash` with its own before it uses the record."""
     inserted = await session.scalar(
         insert(WriteOutcome)
         .values(
@@ -391,15 +398,18 @@ async def claim_write_id(
         .where(
             WriteOutcome.write_id == write_id,
             or_(
-                WriteOutcome.status == "failed",
+                and_(
+                    WriteOutcome.status == "failed",
+                    true() if retry_failed is None else WriteOutcome.error_code.in_(list(retry_failed)),
+                ),
                 and_(WriteOutcome.status == "pending", WriteOutcome.updated_at < func.now() - STALE_PENDING),
             ),
         )
         .values(status="pending", updated_at=func.now())
         .returning(WriteOutcome.write_id)
     )
-    if retried is not None:
-        await session.refresh(outcome)
+    # As it stands now: taken over by this call, or by another meanwhile (whose UPDATE this one waited for).
+    await session.refresh(outcome)
     return outcome, retried is not None
 
 

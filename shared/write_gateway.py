@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Collection
 from datetime import datetime
 
 from nats.aio.client import Client as NatsClient
@@ -84,12 +85,20 @@ class WriteGateway:
             future.set_result(outcome)
 
     async def submit(
-        self, event: MemoryWriteRequested, *, timeout: float, fresh_id: bool = False, client_key: bool = False
+        self,
+        event: MemoryWriteRequested,
+        *,
+        timeout: float,
+        fresh_id: bool = False,
+        client_key: bool = False,
+        retry_failed: Collection[str] | None = None,
     ) -> MemoryWriteOutcome | None:
         """The write's outcome, or None when the writer has not decided within `timeout` (it stays queued).
 
         `fresh_id`: the write id was generated for this call alone (no Idempotency-Key).
         `client_key`: the write id comes from a client's Idempotency-Key, which must name one request only.
+        `retry_failed`: an earlier attempt that failed is tried again only if it failed with one of these codes
+        (None: whatever the code); otherwise its failure is the outcome.
         Raises BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
         Raises IdempotencyKeyReused when the id was first used for a different request.
         """
@@ -101,7 +110,7 @@ class WriteGateway:
         fingerprint = request_hash(event) if client_key else None
         deadline = time.monotonic() + timeout
         while True:
-            record, owned = await self._claim(event, fingerprint)
+            record, owned = await self._claim(event, fingerprint, retry_failed)
             if repo.claimed_by_another_request(record, fingerprint):
                 raise IdempotencyKeyReused(event.write_id)
             if record.status == "applied":
@@ -110,8 +119,8 @@ class WriteGateway:
                 break
             try:
                 return await self._await_stored(event.write_id, deadline, claimed_at=record.updated_at)
-            except _ClaimReleased:
-                continue  # its owner could not publish it (and answered 503): claimed again, and published here
+            except _ClaimChanged:
+                continue  # claimed again: published here if its owner gave it up (a 503), else awaited anew
         try:
             return await self._publish_and_wait(
                 event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
@@ -121,13 +130,14 @@ class WriteGateway:
             raise
 
     async def _claim(
-        self, event: MemoryWriteRequested, fingerprint: str | None = None
+        self, event: MemoryWriteRequested, fingerprint: str | None, retry_failed: Collection[str] | None
     ) -> tuple[WriteOutcome, bool]:
         """Record the write as pending unless its id is known: the stored record, and whether this call owns
         the attempt (see `repository.claim_write_id`)."""
         async with self._sessions() as session:
             claimed = await repo.claim_write_id(
-                session, event.write_id, event.project_id, event.memory_id, request_hash=fingerprint
+                session, event.write_id, event.project_id, event.memory_id, request_hash=fingerprint,
+                retry_failed=retry_failed,
             )
             await session.commit()
         return claimed
@@ -187,17 +197,20 @@ class WriteGateway:
         self, write_id: str, deadline: float, *, claimed_at: datetime
     ) -> MemoryWriteOutcome | None:
         """Another caller owns this write's attempt; its outcome shows up in the database. None when it does not
-        in time (a 202: the write is queued). Raises _ClaimReleased when the owner gave the claim up unpublished."""
+        in time (a 202: the write is queued). Raises _ClaimChanged when the claim changed hands: its owner gave it
+        up unpublished, or another caller took it over."""
         while time.monotonic() < deadline:
             async with self._sessions() as session:
                 record = await repo.get_write_outcome(session, write_id)
             if record is not None and record.status != "pending":
                 return outcome_of(record)
-            if record is not None and record.updated_at < claimed_at:  # aged by `repository.release_write_claim`
-                raise _ClaimReleased
+            if record is not None and record.updated_at != claimed_at:
+                # Given up unpublished by its owner (aged by `repository.release_write_claim`), or taken over by
+                # another caller since: claimed again, to be published here or awaited anew.
+                raise _ClaimChanged
             await asyncio.sleep(_POLL_INTERVAL_S)
         return None
 
 
-class _ClaimReleased(Exception):
+class _ClaimChanged(Exception):
     pass

@@ -46,6 +46,8 @@ from shared.repository import HistoryRow, OutcomeRow
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
 _ERROR_STATUS = {"EMBEDDING_UNAVAILABLE": 503, "RESOURCE_NOT_FOUND": 404}
+REFUSED_FOR_NOW = frozenset(code for code, status in _ERROR_STATUS.items() if status == 503)
+"""Failures that a retry of the same write may cure (a dependency was down); the others are for good."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,3 +164,22 @@ async def test_a_request_head_that_never_completes_is_answered_408_and_closed() 
     finally:
         server.should_exit = True
         await serving
+
+
+async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_error(settings: Settings) -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def gone() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/api/v1/projects", "raw_path": b"/api/v1/projects", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"20"),
+                         (b"authorization", f"Bearer {settings.memories_admin_token}".encode())],
+             "server": ("test", 80), "client": ("test", 1)}
+    async with open_api(settings) as (app, _api):
+        await app(scope, gone, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400, sent

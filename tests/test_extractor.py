@@ -270,6 +270,16 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
     outcomes[:] = [LlmError("the model failed")]
     with pytest.raises(LlmError):
         await service.extract_through_outages(event, arrived_at=None)
+    # So are queued facts that outlast the patience (a partition no writer reads): the turn is handed back.
+    import services.extractor.main as extractor_main
+
+    pending = WritesPending("1 of 1 writes not decided in time")
+    outcomes[:] = [pending] * 50 + [done]
+    with pytest.MonkeyPatch.context() as patience:
+        patience.setattr(extractor_main, "QUEUED_WRITES_PATIENCE_S", 0.05)
+        with pytest.raises(WritesPending):
+            await service.extract_through_outages(event, arrived_at=None)
+    assert done in outcomes
     # So are refusals that outlast MEMORIES_MAX_DELIVER waits: a text the embedder always rejects looks the same.
     refused = WritesRefused("1 of 1 writes refused while a dependency was down")
     outcomes[:] = [refused] * (settings.memories_max_deliver + 1) + [done]

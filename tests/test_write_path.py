@@ -27,7 +27,7 @@ from shared.ids import new_write_id
 from shared.servers import LOOPBACK, free_port
 from shared.settings import WRITE_TIMEOUT_MAX_S, Settings
 from shared.write_gateway import PUBLISH_TIMEOUT_S, WriteGateway, request_hash
-from shared.writes import WriteApplier
+from shared.writes import REFUSED_FOR_NOW, WriteApplier
 from tests.conftest import WriterWithoutEmbedder, open_api, open_client, wait_until_blocked_by
 
 
@@ -458,6 +458,36 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
     finally:
         await nc.close()
     assert outcome is not None and outcome.action is not None and outcome.action.value == "created"
+
+
+async def test_a_write_failed_for_good_is_not_tried_again_by_a_caller_that_retries_only_refusals(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], writers: list[Any]
+) -> None:
+    # The extractor's resubmission of a turn's facts: a fact the writer set aside for an operator, resubmitted,
+    # was failed again every ~40 s while the turn waited for it for ever.
+    def fact(content: str) -> MemoryWriteRequested:
+        return MemoryWriteRequested(
+            event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content
+        )
+
+    given_up, refused = fact("Set aside for an operator"), fact("Refused while the embedder was down")
+    async with sessions() as session:
+        for event, code in ((given_up, "INTERNAL_ERROR"), (refused, "EMBEDDING_UNAVAILABLE")):
+            await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            assert await repo.fail_pending_write(session, event.write_id, event.memory_id, code, "failed")
+        await session.commit()
+    nc = await nats.connect(settings.nats_url)
+    gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+    await gateway.start()
+    try:
+        final = await gateway.submit(given_up, timeout=10, retry_failed=REFUSED_FOR_NOW)
+        retried = await gateway.submit(refused, timeout=10, retry_failed=REFUSED_FOR_NOW)
+        again = await gateway.submit(given_up, timeout=10)  # a client retrying its key tries any failure again
+    finally:
+        await nc.close()
+    assert final is not None and final.error is not None and final.error.code == "INTERNAL_ERROR"
+    assert retried is not None and retried.action is not None and retried.action.value == "created"
+    assert again is not None and again.action is not None and again.action.value == "created"
 
 
 def test_a_caller_waits_for_its_write_less_than_a_retry_waits_to_take_it_over() -> None:

@@ -15,6 +15,7 @@ from fastapi import Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from shared.events import has_lone_surrogate
 
@@ -30,6 +31,8 @@ class CheckedRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
+        # The route's own parameters and its dependencies'. A dependency given to `include_router(dependencies=…)`
+        # is not in this route's dependant: a query parameter only it takes would be refused (none does today).
         taken = frozenset(_query_parameters(self.dependant))
         takes_body = self.body_field is not None  # a body sent to a route that takes none is never read
 
@@ -37,10 +40,21 @@ class CheckedRoute(APIRoute):
             if request.query_params:
                 _refuse_unknown_query_parameters(request, taken)
             if takes_body:
-                _refuse_text_that_is_not_unicode(await request.body())  # read once: FastAPI reuses it
+                _refuse_text_that_is_not_unicode(await _body_of(request))
             return await handler(request)
 
         return checked
+
+
+async def _body_of(request: Request) -> bytes:
+    """Read once (FastAPI reuses it), failing as FastAPI's own reading does: a client gone mid-body is a 400,
+    not an unhandled error; a body over the size limit still raises its 413."""
+    try:
+        return await request.body()
+    except HTTPException:
+        raise
+    except Exception as exc:  # FastAPI turns any failure to read the body into this same 400
+        raise HTTPException(400, "There was an error parsing the body") from exc
 
 
 def _refuse_unknown_query_parameters(request: Request, taken: frozenset[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import datetime
 
 from faststream.nats.annotations import NatsMessage
@@ -28,6 +29,11 @@ from shared.settings import Settings
 from shared.write_gateway import BusUnavailable, WriteGateway
 
 log = logging.getLogger("memories.extractor")
+
+
+QUEUED_WRITES_PATIENCE_S = 600.0
+"""How long a turn waits in place for its facts to be decided (no writer running) before it is handed back and
+counted towards MEMORIES_MAX_DELIVER: writers restarted or redeployed are back well within it."""
 
 
 class ExtractorService(ConsumerProcess):
@@ -103,12 +109,16 @@ class ExtractorService(ConsumerProcess):
         delivery would count towards MEMORIES_MAX_DELIVER, and a turn held through an outage would be
         dead-lettered (its facts written later all the same, its status left failed)."""
         assert self._extractor is not None
-        pause, refusals = self.settings.memories_retry_backoff_s, 0
+        pause, refusals, queued_since = self.settings.memories_retry_backoff_s, 0, None
         while True:
             try:
                 return await self._extractor.extract(event, arrived_at=arrived_at)
             except WritesPending as exc:
-                # Queued on the stream: decided once a writer runs (or failed by it, an outcome too), never lost.
+                # Queued on the stream: decided once a writer runs (or failed by it for good, an outcome too). A
+                # partition no writer reads would hold the turn, and a replica's share of turns, for ever.
+                queued_since = queued_since or time.monotonic()
+                if time.monotonic() - queued_since > QUEUED_WRITES_PATIENCE_S:
+                    raise
                 log.warning("extraction waits for its queued writes: %s", exc)
             except WritesRefused:
                 # Refused for now, or for good (a text the embedder always rejects looks the same): waited out a
