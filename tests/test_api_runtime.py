@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -110,12 +112,7 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
     async def size(request: Request) -> dict[str, int]:
         return {"bytes": len(await request.body())}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=BoundedHeadHttpTools, log_config=None))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
+    async with served(app, BoundedHeadHttpTools) as port:
         # Beyond the limit and the one network read (up to 256 KiB) in which a head begins, which is not counted.
         huge = b"GET /size HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES * 16) + b"\r\n\r\n"
         refused = await asyncio.to_thread(raw_exchange, port, huge)
@@ -131,9 +128,6 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
         big_head = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big_body)
         answered = await asyncio.to_thread(raw_exchange, port, big_head, big_body + small[:20], small[20:], pause=0.2)
         assert answered.count(b"HTTP/1.1 200 OK") == 2, answered[:300]
-    finally:
-        server.should_exit = True
-        await serving
 
 
 class QuickHeadTimeout(BoundedHeadHttpTools):
@@ -147,12 +141,7 @@ async def test_a_request_head_that_never_completes_is_answered_408_and_closed() 
     async def ok() -> dict[str, bool]:
         return {"ok": True}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=QuickHeadTimeout, log_config=None))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
+    async with served(app, QuickHeadTimeout) as port:
         # A head that trickles in, and a connection that says nothing: each held a connection for ever.
         trickled = await asyncio.to_thread(raw_exchange, port, b"GET /ok HTTP/1.1\r\n", b"host: x\r\n", pause=0.3)
         assert trickled.startswith(b"HTTP/1.1 408 ") and b'"REQUEST_TIMEOUT"' in trickled
@@ -161,9 +150,6 @@ async def test_a_request_head_that_never_completes_is_answered_408_and_closed() 
         request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
         answered = await asyncio.to_thread(raw_exchange, port, request, request, pause=0.8)
         assert answered.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in answered
-    finally:
-        server.should_exit = True
-        await serving
 
 
 async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_error(settings: Settings) -> None:
@@ -183,3 +169,18 @@ async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_e
     async with open_api(settings) as (app, _api):
         await app(scope, gone, send)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400, sent
+
+
+@asynccontextmanager
+async def served(app: FastAPI, http: type[BoundedHeadHttpTools]) -> AsyncIterator[int]:
+    """`app` behind uvicorn with the API's HTTP protocol (or a variant of it), on a free port, until the block ends."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=http, log_config=None))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await serving

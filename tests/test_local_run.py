@@ -37,16 +37,7 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert up.poll() is None, (root / "up.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the local run never became ready"
-            time.sleep(0.5)
+        _ready(base, up, root / "up.log")
         headers = {"Authorization": f"Bearer {(data / 'admin_token').read_text().strip()}"}
         with httpx.Client(base_url=f"{base}/api/v1", headers=headers, timeout=30) as client:
             project = client.post("/projects", json={"name": "local"}).json()["id"]
