@@ -61,13 +61,17 @@ def nameable(model: str, providers: frozenset[str]) -> str:
     provider, slash, _ = model.partition("/")
     if not slash:
         provider = _known_provider_of(model)
-    if not provider or provider not in providers | IN_PROCESS_PROVIDERS:
+    if not provider or _SAME_ENDPOINT_AS.get(provider, provider) not in providers | IN_PROCESS_PROVIDERS:
         shown = model if len(model) <= 80 else model[:80] + "…"
         raise ResolutionError(
             f"model {shown!r}: a request may name models of {', '.join(sorted(providers)) or 'no provider'} only"
             " (MEMORIES_AGENT_MODEL_PROVIDERS); register an AI provider for others"
         )
     return model if slash else f"{provider}/{model}"
+
+
+_SAME_ENDPOINT_AS = {"text-completion-openai": "openai"}
+"""litellm's names for a provider's other API on the same address and key (`gpt-3.5-turbo-instruct`)."""
 
 
 def _known_provider_of(model: str) -> str | None:

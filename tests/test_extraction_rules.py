@@ -202,6 +202,8 @@ def test_a_request_names_models_of_the_providers_the_service_is_configured_for()
 
     assert resolved("openai/gpt-4o", frozenset({"openai"})) == "openai/gpt-4o"
     assert resolved("gpt-4o-mini", frozenset({"openai"})) == "openai/gpt-4o-mini"  # litellm's own reading, explicit
+    # OpenAI's completions API, which litellm files under a provider of its own: the same address and key.
+    assert resolved("gpt-3.5-turbo-instruct", frozenset({"openai"})) == "text-completion-openai/gpt-3.5-turbo-instruct"
     with pytest.raises(ResolutionError):
         resolved("gpt-4o-mini", frozenset({"anthropic"}))
     assert resolved(None, frozenset(), service_model="ollama/llama3") == "ollama/llama3"  # the operator's own
