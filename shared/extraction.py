@@ -320,4 +320,4 @@ class WritesRefused(Exception):
 
 def _refused_for_now(outcome: MemoryWriteOutcome) -> bool:
     """The writer could not decide the write because a dependency (the embedder) was down: retrying may succeed."""
-    return outcome.error is not None and outcome.error.status == 503
+    return outcome.error is not None and outcome.error.code in REFUSED_FOR_NOW

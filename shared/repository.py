@@ -389,14 +389,17 @@ async def claim_write_id(
     )
     if inserted is not None:
         return inserted, True  # the common case: one round trip
-    outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
-    assert outcome is not None
-    if claimed_by_another_request(outcome, request_hash):
-        return outcome, False  # never this caller's to retry
+    # Never this caller's to retry when another request first used the key (see `claimed_by_another_request`).
+    same_request = (
+        true()
+        if request_hash is None
+        else or_(WriteOutcome.request_hash.is_(None), WriteOutcome.request_hash == request_hash)
+    )
     retried = await session.scalar(
         update(WriteOutcome)
         .where(
             WriteOutcome.write_id == write_id,
+            same_request,
             or_(
                 and_(
                     WriteOutcome.status == "failed",
@@ -408,8 +411,10 @@ async def claim_write_id(
         .values(status="pending", updated_at=func.now())
         .returning(WriteOutcome.write_id)
     )
-    # As it stands now: taken over by this call, or by another meanwhile (whose UPDATE this one waited for).
-    await session.refresh(outcome)
+    # Read after the take-over: as it stands now, whether this call took it over or another one did meanwhile
+    # (whose UPDATE this one waited for). Read before, a waiter kept a claim given up since and missed its release.
+    outcome = await session.get(WriteOutcome, write_id, populate_existing=True)
+    assert outcome is not None
     return outcome, retried is not None
 
 
