@@ -61,7 +61,7 @@ async def reference_context(
     project instead would hand one end user's facts to another's agent where each has a memory of their own.
     A message longer than an entry may be is cut to that length, as a search's query would be refused past it;
     a long one still ranks weakly, its windows averaged (docs/api.md). Raises EmbeddingError."""
-    query = message[:CONTENT_MAX_CHARS] if message and not is_blank(message) else None
+    query = None if message is None or is_blank(message) else message[:CONTENT_MAX_CHARS]
     if not config.filters.given:
         return ReferenceContext(None, KnowledgeResults([], SearchPath.NOTHING))
     results = await search_knowledge(

@@ -50,7 +50,7 @@ async def search(
 ) -> JSONResponse:
     project_id = await resolve_project(session, principal, body.project_id)
     filters = KnowledgeFilter(memory_ids=tuple(body.memory_ids), tag_patterns=tuple(body.memory_tags))
-    if not (body.query and not is_blank(body.query)) and not filters.given:
+    if (body.query is None or is_blank(body.query)) and not filters.given:
         raise _nothing_to_search()
     try:
         found = await search_knowledge(
@@ -87,7 +87,7 @@ async def context(
     body: KnowledgeContextRequest, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> JSONResponse:
     project_id = await resolve_project(session, principal, body.project_id)
-    if not (body.message and not is_blank(body.message)) and not body.knowledge_config.filters.given:
+    if (body.message is None or is_blank(body.message)) and not body.knowledge_config.filters.given:
         raise _nothing_to_search()
     try:
         built = await reference_context(
