@@ -262,6 +262,19 @@ async def _outcome(client: httpx.AsyncClient, write_id: str) -> dict[str, Any]:
     raise AssertionError(f"no outcome for {write_id}")
 
 
+async def _extracted_fact(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], content: str, model: str,
+    generation_id: str, **labels: Any,
+) -> dict[str, Any]:
+    """A fact as the extractor writes it (agent context, provenance, `labels`: tags and metadata), and its outcome."""
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=content,
+        source_type="extraction", agent=AgentContext(model=model), source_generation_id=generation_id, **labels,
+    )
+    await _publish(settings, event)
+    return await _outcome(client, event.write_id)
+
+
 async def test_merge_unions_tags_and_merges_metadata(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
@@ -272,13 +285,9 @@ async def test_merge_unions_tags_and_merges_metadata(
             json={"memory_id": memory["id"], "content": EMAIL, "tags": ["b", "a"], "metadata": {"x": 1, "y": 1}},
         )
     ).json()
-    event = MemoryWriteRequested(
-        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=EMAIL_DETAIL,
-        source_type="extraction", tags=["a", "c"], metadata={"y": 2, "z": 3}, agent=AgentContext(model=model),
-        source_generation_id="gen_x",
+    outcome = await _extracted_fact(
+        client, settings, memory, EMAIL_DETAIL, model, "gen_x", tags=["a", "c"], metadata={"y": 2, "z": 3}
     )
-    await _publish(settings, event)
-    outcome = await _outcome(client, event.write_id)
     assert outcome["action"] == "updated" and outcome["entry_id"] == first["id"]
     entry = await get_entry(client, first["id"])
     assert entry["tags"] == ["b", "a", "c"]
@@ -336,13 +345,7 @@ async def test_a_replacement_keeps_the_retired_entrys_tags_and_metadata(
             json={"memory_id": memory["id"], "content": EMAIL, "tags": ["contact", "b"], "metadata": {"x": 1, "y": 1}},
         )
     ).json()
-    event = MemoryWriteRequested(
-        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=REVERSED,
-        source_type="extraction", tags=["b", "c"], metadata={"y": 2}, agent=AgentContext(model=model),
-        source_generation_id="gen_new",
-    )
-    await _publish(settings, event)
-    outcome = await _outcome(client, event.write_id)
+    outcome = await _extracted_fact(client, settings, memory, REVERSED, model, "gen_new", tags=["b", "c"], metadata={"y": 2})
     assert outcome["action"] == "superseded" and outcome["entry_id"] != old["id"]
     replacement = await get_entry(client, outcome["entry_id"])
     assert replacement["tags"] == ["contact", "b", "c"] and replacement["metadata"] == {"x": 1, "y": 2}
