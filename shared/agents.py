@@ -187,7 +187,11 @@ class AgentSpec(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str | None = None
-    model: ModelName | None = Field(default=None, description="litellm model, e.g. openai/gpt-4o-mini")
+    model: ModelName | None = Field(
+        default=None,
+        description="litellm model, e.g. openai/gpt-4o-mini; with no registered provider or route behind it, called "
+        "only if its provider is allowed (MEMORIES_AGENT_MODEL_PROVIDERS)",
+    )
     ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
     model_route_id: str | None = Field(default=None, description="the agent's model route")
     api_base: ProviderAddress | None = None

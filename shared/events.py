@@ -291,7 +291,11 @@ class GenerationAgent(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     id: str | None = None
-    model: ModelName | None = Field(default=None, description="the agent's model (a litellm model or a provider's)")
+    model: ModelName | None = Field(
+        default=None,
+        description="the agent's model (a litellm model or a provider's); with no registered provider or route behind "
+        "it, called only if its provider is allowed (MEMORIES_AGENT_MODEL_PROVIDERS)",
+    )
     ai_provider_id: str | None = Field(default=None, description="the agent's pinned provider")
     model_route_id: str | None = None
     # Its contents may be camelCase, and so may its own key, as a platform stores it.

@@ -58,8 +58,8 @@ class Settings(BaseSettings):
     memories_agent_model_providers: str = Field(
         default="",
         description="litellm providers (comma-separated, e.g. openai,anthropic) whose models a request may name "
-        "itself as provider/model (agent.model, extraction.model) with no registered AI provider behind it; "
-        "always also MEMORIES_MERGE_MODEL's provider",
+        "itself (agent.model, extraction.model: provider/model, or a bare name litellm knows the provider of) with "
+        "no registered AI provider behind it; always also MEMORIES_MERGE_MODEL's provider, written provider/model",
     )
     memories_llm_timeout_s: float = Field(default=30.0, gt=0)
     memories_scripted_llm: str | None = Field(
