@@ -351,6 +351,28 @@ class BusUnreachable(Exception):
     """A one-shot command could not reach any NATS server."""
 
 
+PUBLISH_TIMEOUT_S = 5.0
+"""How long JetStream may take to acknowledge a publish before the bus counts as unavailable."""
+
+
+class BusUnavailable(Exception):
+    """JetStream did not take a publish; a retry under the same message id is safe."""
+
+
+async def publish_or_refuse(nc: NatsClient, subject: str, data: bytes, *, stream: str, msg_id: str) -> None:
+    """Onto `stream`, acknowledged, or BusUnavailable. Refused at once while the client is not connected rather
+    than buffered by it: a buffered publish would reach the stream whenever the connection came back, long after
+    its caller was told 503 (and may have given up, or retried under another id)."""
+    if not nc.is_connected:
+        raise BusUnavailable("not connected to NATS")
+    try:
+        await nc.jetstream().publish(
+            subject, data, stream=stream, timeout=PUBLISH_TIMEOUT_S, headers={"Nats-Msg-Id": msg_id}
+        )
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise BusUnavailable(str(exc) or type(exc).__name__) from exc
+
+
 async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
     """A service retries the bus for as long as it is down; a one-shot command (`memories bus init`, `dlq`)
     tries each server a few times, then raises BusUnreachable instead of hanging."""

@@ -6,9 +6,10 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from shared import bus
 from shared.agents import AgentSpec, write_memory_event
 from shared.events import CONTENT_MAX_CHARS, WrittenContent
-from shared.write_gateway import BusUnavailable, WriteGateway
+from shared.write_gateway import WriteGateway
 
 WRITE_MEMORY_TOOL: dict[str, Any] = {
     "type": "function",
@@ -72,7 +73,7 @@ async def call_write_memory(
     )
     try:
         outcome = await gateway.submit(event, timeout=timeout)
-    except BusUnavailable:
+    except bus.BusUnavailable:
         return {"error": "memory is unavailable right now; try again later"}
     if outcome is None:
         return {"error": "the write was queued but not confirmed in time", "write_id": event.write_id}

@@ -21,7 +21,6 @@ from datetime import datetime
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -34,14 +33,7 @@ from shared.writes import outcome_of
 
 log = logging.getLogger("memories.gateway")
 
-PUBLISH_TIMEOUT_S = 5.0
-"""How long JetStream may take to acknowledge a publish before the bus counts as unavailable."""
-
 _POLL_INTERVAL_S = 0.05
-
-
-class BusUnavailable(Exception):
-    pass
 
 
 class IdempotencyKeyReused(Exception):
@@ -63,7 +55,6 @@ def request_hash(event: MemoryWriteRequested) -> str:
 class WriteGateway:
     def __init__(self, nc: NatsClient, sessions: async_sessionmaker[AsyncSession], partitions: int) -> None:
         self._nc = nc
-        self._js = nc.jetstream()
         self._sessions = sessions
         self._partitions = partitions
         self._inbox = f"_INBOX.memories.{uuid.uuid4().hex}"
@@ -99,7 +90,7 @@ class WriteGateway:
         `client_key`: the write id comes from a client's Idempotency-Key, which must name one request only.
         `retry_failed`: an earlier attempt that failed is tried again only if it failed with one of these codes
         (None: whatever the code); otherwise its failure is the outcome.
-        Raises BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
+        Raises bus.BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
         Raises IdempotencyKeyReused when the id was first used for a different request.
         """
         if fresh_id:
@@ -125,7 +116,7 @@ class WriteGateway:
             return await self._publish_and_wait(
                 event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
             )
-        except BusUnavailable:
+        except bus.BusUnavailable:
             await self._release_claim(event.write_id)
             raise
 
@@ -170,22 +161,15 @@ class WriteGateway:
         future: asyncio.Future[MemoryWriteOutcome] = asyncio.get_running_loop().create_future()
         self._waiting[event.write_id] = future
         try:
-            if not self._nc.is_connected:
-                # Refused rather than buffered by the client: a buffered publish would reach the stream
-                # whenever the connection comes back, long after this caller was told 503.
-                raise BusUnavailable("not connected to NATS")
-            try:
-                await self._js.publish(
-                    bus.write_subject(event.memory_id, self._partitions),
-                    # Unset optional fields stay off the wire: an added one is then invisible to older readers.
-                    event.model_dump_json(exclude_none=True).encode(),
-                    stream=bus.WRITES_STREAM,
-                    timeout=PUBLISH_TIMEOUT_S,
-                    # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.
-                    headers={"Nats-Msg-Id": f"{event.write_id}.{attempt}"},
-                )
-            except (TimeoutError, NatsError, OSError) as exc:
-                raise BusUnavailable(str(exc) or type(exc).__name__) from exc
+            await bus.publish_or_refuse(
+                self._nc,
+                bus.write_subject(event.memory_id, self._partitions),
+                # Unset optional fields stay off the wire: an added one is then invisible to older readers.
+                event.model_dump_json(exclude_none=True).encode(),
+                stream=bus.WRITES_STREAM,
+                # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.
+                msg_id=f"{event.write_id}.{attempt}",
+            )
             try:
                 return await asyncio.wait_for(asyncio.shield(future), timeout)
             except TimeoutError:

@@ -242,12 +242,11 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
 
     from services.extractor.main import ExtractorService
     from shared.events import ExtractionSummary
-    from shared.write_gateway import BusUnavailable
 
     done = ExtractionResult("completed", None, ExtractionSummary())
     outcomes: list[Any] = [
         OperationalError("SELECT 1", {}, Exception("the database is down")),
-        BusUnavailable("no servers"),
+        bus.BusUnavailable("no servers"),
         WritesRefused("1 of 1 writes refused while a dependency was down"),
         # The writer down: dead-lettered after ~80 s, the turn was left failed while its facts were written later.
         WritesPending("1 of 1 writes not decided in time"),

@@ -26,7 +26,7 @@ from shared.events import DEFAULT_DUPLICATE_THRESHOLD, MemoryWriteRequested, utc
 from shared.ids import new_write_id
 from shared.servers import LOOPBACK, free_port
 from shared.settings import WRITE_TIMEOUT_MAX_S, Settings
-from shared.write_gateway import PUBLISH_TIMEOUT_S, WriteGateway, request_hash
+from shared.write_gateway import WriteGateway, request_hash
 from shared.writes import REFUSED_FOR_NOW, WriteApplier
 from tests.conftest import WriterWithoutEmbedder, open_api, open_client, wait_until_blocked_by
 
@@ -492,7 +492,7 @@ async def test_a_write_failed_for_good_is_not_tried_again_by_a_caller_that_retri
 
 def test_a_caller_waits_for_its_write_less_than_a_retry_waits_to_take_it_over() -> None:
     # Longer, and a retry with the same key would republish the write while its first caller still waits for it.
-    assert timedelta(seconds=PUBLISH_TIMEOUT_S + WRITE_TIMEOUT_MAX_S) < repo.STALE_PENDING
+    assert timedelta(seconds=bus.PUBLISH_TIMEOUT_S + WRITE_TIMEOUT_MAX_S) < repo.STALE_PENDING
     with pytest.raises(ValidationError):
         Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S + 1)
     assert Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S).memories_write_timeout_s == WRITE_TIMEOUT_MAX_S

@@ -26,7 +26,7 @@ from shared.ids import new_id
 from shared.llm import LlmError
 from shared.logs import log_context
 from shared.settings import Settings
-from shared.write_gateway import BusUnavailable, WriteGateway
+from shared.write_gateway import WriteGateway
 
 log = logging.getLogger("memories.extractor")
 
@@ -128,7 +128,7 @@ class ExtractorService(ConsumerProcess):
                     raise
                 log.warning("extraction waits for its refused facts (%s)", refusals)
             except Exception as exc:
-                if not (bus.is_outage(exc) or isinstance(exc, BusUnavailable)):
+                if not (bus.is_outage(exc) or isinstance(exc, bus.BusUnavailable)):
                     raise
                 log.warning("extraction waits out an outage: %s", str(exc) or type(exc).__name__)
             await asyncio.sleep(pause)

@@ -30,7 +30,7 @@ from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.repository import HistoryRow
 from shared.settings import Settings
-from shared.write_gateway import BusUnavailable, IdempotencyKeyReused
+from shared.write_gateway import IdempotencyKeyReused
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
@@ -112,7 +112,7 @@ async def submit_write(
         outcome = await request.app.state.gateway.submit(
             event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id, client_key=not fresh_id
         )
-    except BusUnavailable as exc:
+    except bus.BusUnavailable as exc:
         raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})") from exc
     except IdempotencyKeyReused as exc:
         raise ApiError(

@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from nats.errors import Error as NatsError
 from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
@@ -109,20 +108,15 @@ async def generation_completed(
     message_id = f"generation:{project_id}:{event.generation_id}"
     if retry_of is not None:
         message_id += f":retry-of:{retry_of}"
-    nc = request.app.state.nats
     try:
-        if not nc.is_connected:
-            # Refused rather than buffered by the client, as a write is (shared.write_gateway): a buffered publish
-            # would reach the stream whenever the connection comes back, long after this caller was told 503.
-            raise NatsError("not connected to NATS")
-        await nc.jetstream().publish(
+        await bus.publish_or_refuse(
+            request.app.state.nats,
             bus.generation_completed_subject(project_id),
             event.model_dump_json().encode(),
             stream=bus.GENERATIONS_STREAM,
-            headers={"Nats-Msg-Id": message_id},
-            timeout=5.0,
+            msg_id=message_id,
         )
-    except (NatsError, TimeoutError) as exc:
+    except bus.BusUnavailable as exc:
         if retry_of is not None:
             # Still failed, so that the caller's next report is a retry again (under the plain message id, the
             # stream's duplicate window could swallow it and leave the turn pending for ever).
