@@ -104,11 +104,18 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:  # no answer of an earlier request under way
-            body = json.dumps({"error": {"code": "REQUEST_TIMEOUT", "message": _HEAD_TOO_SLOW}}).encode()
-            self.transport.write(
-                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-            )
+            self._refuse(b"408 Request Timeout", "REQUEST_TIMEOUT", _HEAD_TOO_SLOW)
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: bytes, code: str, message: str) -> None:
+        """An answer in the error envelope written by the protocol itself (no request reached the app); the
+        connection is closed after it."""
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        self.transport.write(
+            b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -120,12 +127,7 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
             return
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
-            body = json.dumps({"error": {"code": "PAYLOAD_TOO_LARGE", "message": _HEAD_TOO_LARGE}}).encode()
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-            )
-            self.transport.close()
+            self._refuse(b"431 Request Header Fields Too Large", "PAYLOAD_TOO_LARGE", _HEAD_TOO_LARGE)
 
 
 _HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
