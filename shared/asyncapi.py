@@ -43,7 +43,7 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
         ),
         {"partition": "crc32(memory_id) mod MEMORIES_PARTITIONS", "memory_id": "the target memory"},
         "receive",
-        "writer (one durable pull consumer per partition, max_ack_pending 1)",
+        "writer (one durable pull consumer per partition, max_ack_pending two batches)",
     ),
     "writeOutcomes": (
         "{reply_subject}",

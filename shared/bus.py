@@ -8,16 +8,19 @@ consumer otherwise keeps the settings it was created with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import zlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -420,6 +423,33 @@ def is_outage(exc: BaseException) -> bool:
     from nats.errors import Error as NatsError
 
     return isinstance(exc, NatsError)
+
+
+@contextlib.asynccontextmanager
+async def kept_in_progress(messages: Sequence[Msg], ack_wait_s: float) -> AsyncIterator[None]:
+    """While the block runs, its messages not yet acknowledged are kept in progress (every third of the ack
+    wait): however long a model or an outage holds them, JetStream hands none of them to another replica."""
+    heartbeat = asyncio.create_task(_keep_in_progress(messages, ack_wait_s / 3))
+    try:
+        yield
+    finally:
+        heartbeat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat
+
+
+async def _keep_in_progress(messages: Sequence[Msg], every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        failure: nats.errors.Error | None = None
+        for message in messages:
+            if not message.is_acked:
+                try:
+                    await message.in_progress()
+                except nats.errors.Error as exc:  # the bus is down: tried again next time; nothing is lost
+                    failure = exc
+        if failure is not None:
+            log.warning("could not keep messages in progress: %s", str(failure) or type(failure).__name__)
 
 
 def retry_delay(backoff: float, delivered: int) -> float:

@@ -123,7 +123,8 @@ class WriteApplier:
     def may_wait_on_a_model(self, prepared: PreparedWrite) -> bool:
         """Whether deciding this write may call a model: an agent's merge, or arbitration (by the write's own
         policy, else its memory's as last seen here; a memory not seen yet may arbitrate). The writer decides
-        such a write in its partition's own transaction, so that a slow model holds up no other partition."""
+        such a write, and its memory's later writes, aside in a transaction of their own, so that a slow model
+        holds up no other memory."""
         event = prepared.event
         if event.agent is not None:
             return True

@@ -15,11 +15,14 @@ import httpx
 import nats
 import numpy as np
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 from sqlalchemy import event, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.handler import PreparedBatch, WriteHandler
+from services.writer.partitions import PartitionConsumer
+from shared import bus
 from shared import repository as repo
 from shared import writes as writes_module
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
@@ -30,6 +33,7 @@ from shared.llm import ModelSteps
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Decided, WriteApplier
 from tests.conftest import wait_until_blocked_by
+from tests.test_agent_paths import EMAIL, EMAIL_DETAIL
 
 
 class CountingEmbedder:
@@ -347,6 +351,138 @@ async def test_a_write_waiting_on_arbitration_holds_up_no_other_partition(
         assert actions(quick) == ["created"]
         assert actions(await waiting) == ["created"]  # the held verdict counts as failed: the guarded rule
     finally:
+        await nc.close()
+
+
+class HeldMerges:
+    """Every merge a model is asked for waits until released; `asked` counts them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.asked: list[str] = []
+        self.release = asyncio.Event()
+
+        async def held_merge(_steps: Any, _existing: str, incoming: str) -> None:
+            self.asked.append(incoming)
+            await self.release.wait()
+
+        monkeypatch.setattr(ModelSteps, "consolidate", held_merge)
+
+    async def until_asked(self, count: int) -> None:
+        for _ in range(200):
+            if len(self.asked) >= count:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{len(self.asked)} merges asked for, not {count}")
+
+
+class OwnPartition:
+    """A partition no running writer consumes, fed and decided here by one handler."""
+
+    def __init__(self, settings: Settings, sessions: async_sessionmaker[AsyncSession], handler: WriteHandler) -> None:
+        self.number = settings.memories_partitions + 9
+        self._sessions = sessions
+        self._handler = handler
+        self._js = handler._js
+        self._consumer = PartitionConsumer(self._js, self.number, handler.prepare, handler.finish, batch=32, ack_wait_s=30.0)
+
+    async def start(self) -> None:
+        await self._js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
+            durable_name=bus.writer_durable(self.number), filter_subject=bus.partition_filter(self.number),
+            ack_policy=AckPolicy.EXPLICIT, max_ack_pending=64,
+        ))
+        self._consumer.start()
+
+    async def stop(self) -> None:
+        await self._consumer.stop(timeout=10)
+        await self._handler.finish_lanes(timeout=10)
+        await self._js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(self.number))
+
+    async def publish(self, *events: MemoryWriteRequested) -> None:
+        for one in events:
+            await self._js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{self.number}.{one.memory_id}", one.model_dump_json().encode())
+
+    async def decided(self, *events: MemoryWriteRequested) -> bool:
+        async with self._sessions() as session:
+            stored = await repo.get_write_outcomes(session, [one.write_id for one in events])
+        return all(stored.get(one.write_id) is not None for one in events)
+
+    async def until_decided(self, *events: MemoryWriteRequested) -> None:
+        for _ in range(200):
+            if await self.decided(*events):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("not decided within 10 s")
+
+    async def unacknowledged(self) -> int:
+        for _ in range(100):
+            info = await self._js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(self.number))
+            if info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        return info.num_ack_pending + info.num_pending
+
+
+async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Memories share a partition with many others, of other projects too: an agent's merge by a slow model must
+    # not hold their writes, in its batch or in the batches after it; its own memory's later writes wait for it.
+    model = HeldMerges(monkeypatch)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
+    await applier.apply_batch([write(merging, EMAIL)])
+    nc = await nats.connect(settings.nats_url)
+    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
+    merge = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
+    later, neighbours = write(merging, "Customer's desk is by the window"), write(neighbour, "Bob rides a bike")
+    next_neighbours = write(neighbour, "Bob commutes by train in winter")
+    try:
+        await partition.publish(merge, neighbours)  # one batch
+        await partition.start()
+        await model.until_asked(1)
+        await partition.until_decided(neighbours)
+        await partition.publish(later, next_neighbours)  # the next batch
+        await partition.until_decided(next_neighbours)
+        assert not await partition.decided(merge, later)  # in their memory's lane, in order
+        model.release.set()
+        await partition.until_decided(merge, later)
+        assert await partition.unacknowledged() == 0
+    finally:
+        model.release.set()
+        await partition.stop()
+        await nc.close()
+    assert await valid_contents(sessions, merging["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
+
+
+async def test_memories_waiting_on_models_are_bounded_and_a_stop_waits_for_them(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each holds a database connection while its model answers: no more than the writer's pool has room for.
+    model = HeldMerges(monkeypatch)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
+    await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
+    nc = await nats.connect(settings.nats_url)
+    handler = WriteHandler(applier, nc, settings, model_lanes=1)
+    partition = OwnPartition(settings, sessions, handler)
+    agent = AgentContext(model="scripted/held")
+    merges = [write(first, EMAIL_DETAIL, agent=agent), write(second, EMAIL_DETAIL, agent=agent)]
+    try:
+        await partition.publish(*merges)
+        await partition.start()
+        await model.until_asked(1)
+        await asyncio.sleep(0.5)  # time enough for the second memory's merge to be asked for, were it allowed
+        assert len(model.asked) == 1
+        await handler.finish_lanes(timeout=0.2)  # a stop's budget spent: what is undecided is left
+        assert not await partition.decided(*merges)
+        model.release.set()
+        await handler.finish_lanes(timeout=10)
+        assert await partition.decided(*merges) and len(model.asked) == 2
+    finally:
+        model.release.set()
+        await partition.stop()
         await nc.close()
 
 

@@ -8,7 +8,6 @@ is the slow part, and the writes it produces are serialised by the writer, not h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from datetime import datetime
@@ -82,10 +81,11 @@ class ExtractorService(ConsumerProcess):
 
     async def _handle_event(self, message: NatsMessage, event: GenerationCompleted) -> None:
         assert self._extractor is not None
-        heartbeat = asyncio.create_task(self._keep_in_progress(message))
         metadata = message.raw_message.metadata
         try:
-            result = await self.extract_through_outages(event, arrived_at=metadata.timestamp if metadata else None)
+            # A slow model must not let the ack wait expire: that would hand the turn to another replica.
+            async with bus.kept_in_progress([message.raw_message], self.settings.memories_ack_wait_s):
+                result = await self.extract_through_outages(event, arrived_at=metadata.timestamp if metadata else None)
         except (LlmError, WritesPending, WritesRefused) as exc:
             await self._retry_or_give_up(message, event, str(exc))
             return
@@ -95,10 +95,6 @@ class ExtractorService(ConsumerProcess):
             log.exception("extraction failed")
             await self._retry_or_give_up(message, event, f"the extraction failed unexpectedly ({type(exc).__name__})")
             return
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
         _count(result)
         await message.ack()
         await self._announce(event, result)
@@ -133,15 +129,6 @@ class ExtractorService(ConsumerProcess):
                 log.warning("extraction waits out an outage: %s", str(exc) or type(exc).__name__)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 30.0)
-
-    async def _keep_in_progress(self, message: NatsMessage) -> None:
-        """A slow model must not let the ack wait expire: that would hand the turn to another replica."""
-        while True:
-            await asyncio.sleep(self.settings.memories_ack_wait_s / 3)
-            try:
-                await message.in_progress()
-            except Exception as exc:  # noqa: BLE001 - the bus is down: try again next time; the turn is not lost
-                log.warning("could not keep the turn in progress: %s", str(exc) or type(exc).__name__)
 
     async def _retry_or_give_up(self, message: NatsMessage, event: GenerationCompleted, reason: str) -> None:
         assert self._extractor is not None and self.nc is not None

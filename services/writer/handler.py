@@ -1,5 +1,9 @@
 """A partition's write messages in, one decision each: decode, apply through shared.writes, ack, announce.
 
+A memory whose write may wait on a model (a merge, arbitration) is set aside in a lane of its own, its later
+writes queued behind it there, while the partition goes on with the other memories: a slow model holds up
+its own memory's writes, not its neighbours'. A memory's writes are decided in their order either way.
+
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
 an outage of the database or the bus is waited out in place, in order, for as long as it lasts; any other failure
 is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
@@ -39,9 +43,16 @@ class PreparedBatch:
     prepared: list[PreparedWrite]
     failure: Exception | None = None
 
+    def part(self, indices: Sequence[int]) -> PreparedBatch:
+        """The writes at `indices`, in that order."""
+        prepared = [self.prepared[i] for i in indices] if self.prepared else []
+        return PreparedBatch([self.events[i] for i in indices], prepared, self.failure)
+
 
 class WriteHandler:
-    def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings) -> None:
+    def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings, *, model_lanes: int = 16) -> None:
+        """`model_lanes`: how many memories' set-aside writes are decided at once (each holds a database
+        connection while its model answers)."""
         self._applier = applier
         # Partitions whose batches are prepared while a transaction runs share the next one.
         self._decide_together = Coalescer(applier.decide, max_batch=settings.memories_write_batch)
@@ -49,7 +60,10 @@ class WriteHandler:
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
         self._backoff = settings.memories_retry_backoff_s
+        self._ack_wait_s = settings.memories_ack_wait_s
         self._stop = asyncio.Event()
+        self._lanes: dict[str, asyncio.Task[None]] = {}  # memory id → the last of its set-aside writes' tasks
+        self._lane_slots = asyncio.Semaphore(model_lanes)
 
     async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
         """A partition's fetched messages made ready for their decisions, outside any lock: decoded (a
@@ -67,7 +81,62 @@ class WriteHandler:
             return PreparedBatch(events, [], failure=exc)
 
     async def finish(self, batch: PreparedBatch) -> None:
-        """Decide a prepared batch in its order, then acknowledge, answer and announce each write."""
+        """Decide a prepared batch in its order, then acknowledge, answer and announce each write; the writes of
+        a memory that may wait on a model, or that has writes set aside already, go to that memory's lane."""
+        aside = self._memories_set_aside(batch)
+        if aside:
+            lanes: dict[str, list[int]] = {}
+            now: list[int] = []
+            for i, (_, event) in enumerate(batch.events):
+                if event.memory_id in aside:
+                    lanes.setdefault(event.memory_id, []).append(i)
+                else:
+                    now.append(i)
+            for memory_id, indices in lanes.items():
+                self._set_aside(memory_id, batch.part(indices))
+            batch = batch.part(now)
+        await self._conclude(batch)
+
+    def _memories_set_aside(self, batch: PreparedBatch) -> set[str]:
+        aside = {event.memory_id for _, event in batch.events if event.memory_id in self._lanes}
+        # A batch that could not be prepared is not known to wait on a model; it is decided in its own
+        # transaction if it turns out to (WriteHandler.decide).
+        aside.update(one.event.memory_id for one in batch.prepared if self._applier.may_wait_on_a_model(one))
+        return aside
+
+    def _set_aside(self, memory_id: str, writes: PreparedBatch) -> None:
+        """Decide a memory's writes after those it has set aside already, without holding up the partition."""
+        lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), writes))
+        self._lanes[memory_id] = lane
+
+        def close(done: asyncio.Task[None]) -> None:
+            if self._lanes.get(memory_id) is done:
+                del self._lanes[memory_id]
+
+        lane.add_done_callback(close)
+
+    async def _decide_in_lane(self, before: asyncio.Task[None] | None, writes: PreparedBatch) -> None:
+        try:
+            async with bus.kept_in_progress([message for message, _ in writes.events], self._ack_wait_s):
+                if before is not None:
+                    await asyncio.wait({before})
+                async with self._lane_slots:
+                    await self._conclude(writes)
+        except Exception:  # the steps handle their own failures; this is a bug, and the writes are redelivered
+            log.exception("set-aside writes failed")
+
+    async def finish_lanes(self, timeout: float) -> None:
+        """On stopping: wait (within `timeout`) for the set-aside writes; those not decided are redelivered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while pending := {lane for lane in self._lanes.values() if not lane.done()}:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.wait(pending, timeout=left)
+
+    async def _conclude(self, batch: PreparedBatch) -> None:
+        """Decide the writes in their order, then acknowledge, answer and announce each."""
         if not batch.events:
             return
         results = await self._decide_through_outages(batch)
@@ -104,8 +173,7 @@ class WriteHandler:
                 batch = await self.prepare([message for message, _ in batch.events])
                 results = await self._decide(batch)
                 continue
-            again = PreparedBatch([batch.events[i] for i in stopped], [batch.prepared[i] for i in stopped])
-            for i, result in zip(stopped, await self._decide(again), strict=True):
+            for i, result in zip(stopped, await self._decide(batch.part(stopped)), strict=True):
                 results[i] = result
         return results
 
@@ -123,9 +191,9 @@ class WriteHandler:
             return [exc] * len(batch.events)
 
     async def decide(self, prepared: Sequence[PreparedWrite]) -> Sequence[AppliedWrite | Exception]:
-        """A partition's prepared writes decided in their order. Partitions' batches share one transaction at a
-        time, except a batch with a write that may wait on a model (a merge, arbitration): it keeps to its own,
-        so a slow model holds up that partition only."""
+        """Prepared writes decided in their order. Partitions' batches share one transaction at a time, except
+        writes that may wait on a model (a merge, arbitration), which keep to their own: a slow model holds up
+        no shared transaction."""
         if any(self._applier.may_wait_on_a_model(one) for one in prepared):
             return await self._applier.decide(prepared)
         return await self._decide_together(prepared)

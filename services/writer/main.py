@@ -2,9 +2,9 @@
 
 Any number of replicas may run: each binds to every partition's durable consumer (or to the partitions it
 is given) and decides a partition's queued writes as one batch, in order, while it prepares the next
-(services.writer.partitions). `max_ack_pending` on those consumers is two batches; the database lock keeps
-the decisions on a memory serial across replicas, and the write-outcome table makes redeliveries harmless.
-"""
+(services.writer.partitions); a memory whose write waits on a model is decided aside (services.writer.handler).
+`max_ack_pending` on those consumers is two batches; the database lock keeps the decisions on a memory serial
+across replicas, and the write-outcome table makes redeliveries harmless."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ class Writer(ConsumerProcess):
 
     def __init__(self, settings: Settings, partitions: Sequence[int] | None = None) -> None:
         self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
-        # A partition holds one connection at a time; the deletion consumers take two more.
-        super().__init__(settings, pool_size=min(len(self.partitions), 32) + 2, graceful_timeout=10.0)
+        # A memory whose write waits on a model holds a connection meanwhile, and so many memories may
+        # (services.writer.handler's lanes); the shared transaction, the copies' query and the deletion
+        # consumers take a few more, within the pool's overflow.
+        self._model_lanes = min(len(self.partitions), 32)
+        super().__init__(settings, pool_size=self._model_lanes + 2, graceful_timeout=10.0)
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []
@@ -69,7 +72,7 @@ class Writer(ConsumerProcess):
             llm_timeout=self.settings.memories_llm_timeout_s,
         )
         await embed_batch(["warm up"])  # loads litellm and the model before the first write waits on them
-        self._handler = WriteHandler(applier, nc, self.settings)
+        self._handler = WriteHandler(applier, nc, self.settings, model_lanes=self._model_lanes)
         self._provenance = ProvenanceHandler(session_factory(self.engine), self._handler.dead_letter)
 
     async def start(self) -> None:
@@ -93,7 +96,11 @@ class Writer(ConsumerProcess):
     async def stop(self) -> None:
         if self._handler is not None:
             self._handler.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0  # one budget for the batches in hand and the writes set aside
         await asyncio.gather(*(consumer.stop(timeout=10.0) for consumer in self._partition_consumers))
+        if self._handler is not None:
+            await self._handler.finish_lanes(timeout=deadline - loop.time())
         await super().stop()
 
     def consumers(self) -> list[metrics.ConsumerRef]:

@@ -6,7 +6,9 @@ the first message. A batch goes through two stages: `prepare` (no lock held: the
 part) and `finish` (the decisions, in order, then the acks). While one batch is finished the next one is
 fetched and prepared, so the serial part of a partition is its lookups, decisions and inserts; a batch is
 finished only after the one before it. While a batch is in hand its messages are kept in progress, so a
-slow model call does not let the ack wait hand them to another replica.
+slow model call does not let the ack wait hand them to another replica. `finish` may set a memory's writes
+aside to wait on a model (services.writer.handler): the partition goes on, and they stay unacknowledged, within
+the durable's `max_ack_pending`, until decided.
 """
 
 from __future__ import annotations
@@ -114,26 +116,14 @@ class PartitionConsumer(Generic[Prepared]):
             previous = current
 
     async def _handle(self, messages: Sequence[Msg], previous: asyncio.Task[None] | None, prepared: asyncio.Event) -> None:
-        heartbeat = asyncio.create_task(self._keep_in_progress(messages))
         try:
-            try:
-                batch = await self._prepare(messages)
-            finally:
-                prepared.set()
-            if previous is not None:
-                await asyncio.wait({previous})  # decisions in partition order
-            await self._finish(batch)
+            async with bus.kept_in_progress(messages, self._ack_wait_s):
+                try:
+                    batch = await self._prepare(messages)
+                finally:
+                    prepared.set()
+                if previous is not None:
+                    await asyncio.wait({previous})  # decisions in partition order
+                await self._finish(batch)
         except Exception:  # the stages handle their own failures; this is a bug, and the batch is redelivered
             log.exception("batch of partition %s failed", self.partition)
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-
-    async def _keep_in_progress(self, messages: Sequence[Msg]) -> None:
-        while True:
-            await asyncio.sleep(self._ack_wait_s / 3)
-            for message in messages:
-                if not message.is_acked:
-                    with contextlib.suppress(nats.errors.Error):
-                        await message.in_progress()
