@@ -208,6 +208,16 @@ async def lock_memories(session: AsyncSession, memory_ids: Iterable[str]) -> Non
     await _lock_keys(session, memory_ids, shared=False)
 
 
+async def lock_memories_unless_busy(session: AsyncSession, memory_ids: Iterable[str]) -> set[str]:
+    """`lock_memories` without waiting: locks those no other transaction holds and returns the others, busy
+    (another writer replica deciding on them, maybe waiting on a model; an API edit)."""
+    rows = await session.execute(_TRY_LOCK_KEYS, {"keys": sorted(set(memory_ids))})
+    return set(rows.scalars())
+
+
+_TRY_LOCK_KEYS = text(
+    "SELECT key FROM unnest(CAST(:keys AS text[])) AS key WHERE NOT pg_try_advisory_xact_lock(hashtextextended(key, 0))"
+)
 _LOCK_KEYS = {
     shared: text(f"SELECT {function}(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key")
     for shared, function in ((False, "pg_advisory_xact_lock"), (True, "pg_advisory_xact_lock_shared"))

@@ -50,6 +50,11 @@ REFUSED_FOR_NOW = frozenset(code for code, status in _ERROR_STATUS.items() if st
 """Failures that a retry of the same write may cure (a dependency was down); the others are for good."""
 
 
+class MemoryBusy(Exception):
+    """Another transaction holds the write's memory: the write is to be decided later, in its order, by a
+    caller that waits for the memory."""
+
+
 @dataclass(frozen=True, slots=True)
 class AppliedWrite:
     outcome: MemoryWriteOutcome
@@ -181,20 +186,27 @@ class WriteApplier:
                 prepared[i] = PreparedWrite(events[i], digests[i], vector)
         return prepared
 
-    async def decide(self, prepared: Sequence[PreparedWrite]) -> list[AppliedWrite | Exception]:
+    async def decide(
+        self, prepared: Sequence[PreparedWrite], *, wait_for_busy_memories: bool = True
+    ) -> list[AppliedWrite | Exception]:
         """Decide prepared writes in their order, in one transaction.
 
         Each gets its result, or the exception that stopped it (the caller retries that one). When a write
         spoils the shared transaction, each is applied alone, so only that write fails and the others are
         not held back by it; an outage met on the way stops the others too (they get its exception), so that
-        what is decided is always a prefix, in order.
+        what is decided is always a prefix, in order. Unless `wait_for_busy_memories`, the writes of a memory
+        that another transaction holds are left undecided (`MemoryBusy`): one memory holds up no other.
         """
         ready = [one for one in prepared if one.failed is None]
+        busy: set[str] = set()
         decided: list[AppliedWrite | Exception] = []
         if ready:
             try:
                 async with self._sessions.begin() as session:
-                    together = await self._decide_batch(session, ready)
+                    if not wait_for_busy_memories:
+                        busy = await repo.lock_memories_unless_busy(session, [one.event.memory_id for one in ready])
+                        ready = [one for one in ready if one.event.memory_id not in busy]
+                    together = await self._decide_batch(session, ready, locked=not wait_for_busy_memories)
                     await self._store(session, together)
                 decided = [one.applied for one in together]
             except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
@@ -207,8 +219,13 @@ class WriteApplier:
                         outage = result
                     decided.append(result)
         results = iter(decided)
-        # One result per prepared write, in its place: the failure it came with, or its decision.
-        return [one.failed if one.failed is not None else next(results) for one in prepared]
+        # One result per prepared write, in its place: the failure it came with, its memory busy, or its decision.
+        return [
+            one.failed if one.failed is not None
+            else MemoryBusy(one.event.memory_id) if one.event.memory_id in busy
+            else next(results)
+            for one in prepared
+        ]
 
     async def _apply_isolated(self, prepared: PreparedWrite) -> AppliedWrite | Exception:
         try:
@@ -216,8 +233,13 @@ class WriteApplier:
         except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
             return exc
 
-    async def _decide_batch(self, session: AsyncSession, batch: Sequence[PreparedWrite]) -> list[Decided]:
-        await repo.lock_memories(session, [one.event.memory_id for one in batch])
+    async def _decide_batch(
+        self, session: AsyncSession, batch: Sequence[PreparedWrite], *, locked: bool = False
+    ) -> list[Decided]:
+        if not batch:
+            return []
+        if not locked:
+            await repo.lock_memories(session, [one.event.memory_id for one in batch])
         batch = await _forget_forgotten(session, batch)
         events = [one.event for one in batch]
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.

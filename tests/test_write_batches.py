@@ -455,6 +455,35 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     assert await valid_contents(sessions, merging["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
+async def test_a_memory_another_transaction_holds_is_waited_for_aside(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # Another writer replica deciding a memory (its model may take 30 s) or an API edit holds the memory's lock:
+    # the transaction the partitions share must not wait for it, the memory's writes wait aside.
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    held, neighbour = await new_memory(client, project, "held"), await new_memory(client, project, "neighbour")
+    nc = await nats.connect(settings.nats_url)
+    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
+    waiting, later = write(held, "A fact for the held memory"), write(held, "A later fact for it")
+    neighbours = write(neighbour, "A fact for its neighbour")
+    try:
+        await partition.start()
+        async with sessions() as holder, holder.begin():
+            await repo.lock_memory(holder, held["id"])
+            await partition.publish(waiting, neighbours)
+            await partition.until_decided(neighbours)
+            await wait_until_blocked_by(holder, "the held memory's write")  # waiting for the lock, not asking again
+            await partition.publish(later)
+            await asyncio.sleep(0.3)
+            assert not await partition.decided(waiting) and not await partition.decided(later)
+        await partition.until_decided(waiting, later)
+        assert await partition.unacknowledged() == 0
+    finally:
+        await partition.stop()
+        await nc.close()
+    assert await valid_contents(sessions, held["id"]) == ["A fact for the held memory", "A later fact for it"]
+
+
 async def test_memories_waiting_on_models_are_bounded_and_a_stop_waits_for_them(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,

@@ -1,8 +1,9 @@
 """A partition's write messages in, one decision each: decode, apply through shared.writes, ack, announce.
 
-A memory whose write may wait on a model (a merge, arbitration) is set aside in a lane of its own, its later
-writes queued behind it there, while the partition goes on with the other memories: a slow model holds up
-its own memory's writes, not its neighbours'. A memory's writes are decided in their order either way.
+A memory whose write may wait on a model (a merge, arbitration), or that another transaction holds (another
+replica's lane, an API edit), is set aside in a lane of its own, its later writes queued behind it there,
+while the partition goes on with the other memories: a slow model holds up its own memory's writes, not its
+neighbours'. A memory's writes are decided in their order either way.
 
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
 an outage of the database or the bus is waited out in place, in order, for as long as it lasts; any other failure
@@ -17,6 +18,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import nats.errors
@@ -30,7 +32,7 @@ from shared.events import MemoryEntryChanged, MemoryWriteOutcome, MemoryWriteReq
 from shared.ids import new_id
 from shared.logs import log_context
 from shared.settings import Settings
-from shared.writes import AppliedWrite, PreparedWrite, WriteApplier
+from shared.writes import AppliedWrite, MemoryBusy, PreparedWrite, WriteApplier
 
 log = logging.getLogger("memories.writer")
 
@@ -55,7 +57,10 @@ class WriteHandler:
         connection while its model answers)."""
         self._applier = applier
         # Partitions whose batches are prepared while a transaction runs share the next one.
-        self._decide_together = Coalescer(applier.decide, max_batch=settings.memories_write_batch)
+        # A memory another transaction holds is not waited for there: its writes are set aside instead.
+        self._decide_together = Coalescer(
+            partial(applier.decide, wait_for_busy_memories=False), max_batch=settings.memories_write_batch
+        )
         self._nc = nc
         self._js = nc.jetstream()
         self._max_deliver = settings.memories_max_deliver
@@ -97,6 +102,15 @@ class WriteHandler:
             batch = batch.part(now)
         await self._conclude(batch)
 
+    def _set_aside_busy(self, batch: PreparedBatch, results: Sequence[AppliedWrite | Exception]) -> None:
+        """The writes of memories another transaction held, set aside to wait for them, in their order."""
+        lanes: dict[str, list[int]] = {}
+        for i, result in enumerate(results):
+            if isinstance(result, MemoryBusy):
+                lanes.setdefault(batch.events[i][1].memory_id, []).append(i)
+        for memory_id, indices in lanes.items():
+            self._set_aside(memory_id, batch.part(indices))
+
     def _memories_set_aside(self, batch: PreparedBatch) -> set[str]:
         aside = {event.memory_id for _, event in batch.events if event.memory_id in self._lanes}
         # A batch that could not be prepared is not known to wait on a model; it is decided in its own
@@ -121,7 +135,7 @@ class WriteHandler:
                 if before is not None:
                     await asyncio.wait({before})
                 async with self._lane_slots:
-                    await self._conclude(writes)
+                    await self._conclude(writes, in_lane=True)
         except Exception:  # the steps handle their own failures; this is a bug, and the writes are redelivered
             log.exception("set-aside writes failed")
 
@@ -135,13 +149,17 @@ class WriteHandler:
                 return
             await asyncio.wait(pending, timeout=left)
 
-    async def _conclude(self, batch: PreparedBatch) -> None:
-        """Decide the writes in their order, then acknowledge, answer and announce each."""
+    async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> None:
+        """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
+        decision waits for its memory; elsewhere a memory another transaction holds is set aside."""
         if not batch.events:
             return
-        results = await self._decide_through_outages(batch)
+        results = await self._decide_through_outages(batch, in_lane=in_lane)
+        self._set_aside_busy(batch, results)
         announcements = []
         for (message, event), result in zip(batch.events, results, strict=True):
+            if isinstance(result, MemoryBusy):
+                continue
             # Every line logged while this write is handled, here or in shared code, names it (a task
             # created in this context keeps it).
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
@@ -154,13 +172,15 @@ class WriteHandler:
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
 
-    async def _decide_through_outages(self, batch: PreparedBatch) -> Sequence[AppliedWrite | Exception]:
+    async def _decide_through_outages(
+        self, batch: PreparedBatch, *, in_lane: bool = False
+    ) -> Sequence[AppliedWrite | Exception]:
         """The batch's results. An outage (the database or the bus unreachable) is waited out in place, the
         messages kept in progress, instead of handing them back: redelivered, each after a backoff that grows
         with its own deliveries, a memory's writes would come back out of order (a later fact decided first).
         What was decided before the outage stands; the writes it stopped are decided again, in order."""
         pause = self._backoff
-        results = await self._decide(batch)
+        results = await self._decide(batch, in_lane)
         while not self._stop.is_set():
             stopped = [i for i, result in enumerate(results) if isinstance(result, Exception) and bus.is_outage(result)]
             if not stopped:
@@ -171,9 +191,9 @@ class WriteHandler:
             pause = min(pause * 2, 30.0)
             if batch.failure is not None:  # nothing was prepared, so nothing decided: prepare it all again
                 batch = await self.prepare([message for message, _ in batch.events])
-                results = await self._decide(batch)
+                results = await self._decide(batch, in_lane)
                 continue
-            for i, result in zip(stopped, await self._decide(batch.part(stopped)), strict=True):
+            for i, result in zip(stopped, await self._decide(batch.part(stopped), in_lane), strict=True):
                 results[i] = result
         return results
 
@@ -181,19 +201,19 @@ class WriteHandler:
         """The writer stops: an outage is no longer waited out, its writes are handed back (redelivered)."""
         self._stop.set()
 
-    async def _decide(self, batch: PreparedBatch) -> list[AppliedWrite | Exception]:
+    async def _decide(self, batch: PreparedBatch, in_lane: bool) -> list[AppliedWrite | Exception]:
         """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps)."""
         if batch.failure is not None:
             return [batch.failure] * len(batch.events)
         try:
-            return list(await self.decide(batch.prepared))
+            return list(await (self._applier.decide if in_lane else self.decide)(batch.prepared))
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             return [exc] * len(batch.events)
 
     async def decide(self, prepared: Sequence[PreparedWrite]) -> Sequence[AppliedWrite | Exception]:
-        """Prepared writes decided in their order. Partitions' batches share one transaction at a time, except
-        writes that may wait on a model (a merge, arbitration), which keep to their own: a slow model holds up
-        no shared transaction."""
+        """Prepared writes decided in their order. Partitions' batches share one transaction at a time, which
+        waits for no memory (a busy one's writes get `MemoryBusy`), except writes that may wait on a model (a
+        merge, arbitration), which keep to their own: a slow model holds up no shared transaction."""
         if any(self._applier.may_wait_on_a_model(one) for one in prepared):
             return await self._applier.decide(prepared)
         return await self._decide_together(prepared)
