@@ -135,6 +135,10 @@ CONSUMER_REDELIVERIES = _gauge(
 STREAM_MESSAGES = _gauge(
     "memories_stream_messages", "Messages stored in the stream (DEAD_LETTERS: its backlog; MEMORY_WRITES: writes queued)", "stream"
 )
+WRITES_SET_ASIDE = _gauge(
+    "memories_writes_set_aside",
+    "Writes a writer holds aside, in the lane of a memory whose write waits on a model or on another transaction",
+)
 LAG_POLL_ERRORS = _counter("memories_lag_poll_errors", "Lag polls that could not read JetStream")
 
 # Series of known label values exist from the start, so rate() and alerts see a 0 rather than nothing.

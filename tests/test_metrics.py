@@ -53,6 +53,7 @@ EXPOSED_METRICS = [
     "memories_consumer_redeliveries",
     "memories_stream_messages",
     "memories_lag_poll_errors_total",
+    "memories_writes_set_aside",
     "memories_http_responses_total",
 ]
 

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.handler import PreparedBatch, WriteHandler
 from services.writer.partitions import PartitionConsumer
-from shared import bus
+from shared import bus, metrics
 from shared import repository as repo
 from shared import writes as writes_module
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
@@ -437,6 +437,7 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     merge = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
     later, neighbours = write(merging, "Customer's desk is by the window"), write(neighbour, "Bob rides a bike")
     next_neighbours = write(neighbour, "Bob commutes by train in winter")
+    set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
     try:
         await partition.publish(merge, neighbours)  # one batch
         await partition.start()
@@ -445,9 +446,11 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
         await partition.publish(later, next_neighbours)  # the next batch
         await partition.until_decided(next_neighbours)
         assert not await partition.decided(merge, later)  # in their memory's lane, in order
+        assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before + 2
         model.release.set()
         await partition.until_decided(merge, later)
         assert await partition.unacknowledged() == 0
+        assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
     finally:
         model.release.set()
         await partition.stop()

@@ -130,6 +130,7 @@ class WriteHandler:
         lane.add_done_callback(close)
 
     async def _decide_in_lane(self, before: asyncio.Task[None] | None, writes: PreparedBatch) -> None:
+        metrics.WRITES_SET_ASIDE.inc(len(writes.events))
         try:
             async with bus.kept_in_progress([message for message, _ in writes.events], self._ack_wait_s):
                 if before is not None:
@@ -138,6 +139,8 @@ class WriteHandler:
                     await self._conclude(writes, in_lane=True)
         except Exception:  # the steps handle their own failures; this is a bug, and the writes are redelivered
             log.exception("set-aside writes failed")
+        finally:
+            metrics.WRITES_SET_ASIDE.dec(len(writes.events))
 
     async def finish_lanes(self, timeout: float) -> None:
         """On stopping: wait (within `timeout`) for the set-aside writes; those not decided are redelivered."""
