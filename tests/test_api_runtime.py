@@ -19,8 +19,10 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.api import errors
-from services.api.limits import MAX_HEAD_BYTES, BoundedHeadHttpTools
+from services.api.limits import MAX_HEAD_BYTES, UNPARSED, BoundedHeadHttpTools
 from services.api.main import create_app
+from services.api.observed import UNMATCHED
+from shared import metrics
 from shared import repository as repo
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
@@ -105,6 +107,12 @@ async def test_no_free_database_connection_is_a_503() -> None:
     assert response.status_code == 503 and response.json()["error"]["code"] == "SERVICE_UNAVAILABLE"
 
 
+def refused_by_the_protocol(status: int) -> float:
+    """Responses the HTTP protocol wrote itself, which the app's response counter never sees."""
+    labels = {"method": UNPARSED, "route": UNMATCHED, "status": str(status)}
+    return metrics.REGISTRY.get_sample_value("memories_http_responses_total", labels) or 0.0
+
+
 async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buffered() -> None:
     app = FastAPI()
 
@@ -115,8 +123,10 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
     async with served(app, BoundedHeadHttpTools) as port:
         # Beyond the limit and the one network read (up to 256 KiB) in which a head begins, which is not counted.
         huge = b"GET /size HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES * 16) + b"\r\n\r\n"
+        counted = refused_by_the_protocol(431)
         refused = await asyncio.to_thread(raw_exchange, port, huge)
         assert refused.startswith(b"HTTP/1.1 431 ") and b'"PAYLOAD_TOO_LARGE"' in refused
+        assert refused_by_the_protocol(431) == counted + 1
         # A body is not a head: 200 KiB sent at once, twice on one kept-alive connection, are both read.
         body = b"b" * (200 * 1024)
         post = b"POST /size HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
@@ -143,9 +153,11 @@ async def test_a_request_head_that_never_completes_is_answered_408_and_closed() 
 
     async with served(app, QuickHeadTimeout) as port:
         # A head that trickles in, and a connection that says nothing: each held a connection for ever.
+        counted = refused_by_the_protocol(408)
         trickled = await asyncio.to_thread(raw_exchange, port, b"GET /ok HTTP/1.1\r\n", b"host: x\r\n", pause=0.3)
         assert trickled.startswith(b"HTTP/1.1 408 ") and b'"REQUEST_TIMEOUT"' in trickled
         assert (await asyncio.to_thread(raw_exchange, port, b"", pause=0.8)).startswith(b"HTTP/1.1 408 ")
+        assert refused_by_the_protocol(408) == counted + 2
         # Requests whose heads arrive in time are answered, also after an idle pause on a kept-alive connection.
         request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
         answered = await asyncio.to_thread(raw_exchange, port, request, request, pause=0.8)

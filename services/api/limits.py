@@ -12,6 +12,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.api.errors import envelope
+from services.api.observed import UNMATCHED
+from shared import metrics
+
+UNPARSED = "unparsed"
+"""The method label of a request refused before its head was read whole."""
 
 
 class BodySizeLimit:
@@ -104,18 +109,17 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:  # no answer of an earlier request under way
-            self._refuse(b"408 Request Timeout", "REQUEST_TIMEOUT", _HEAD_TOO_SLOW)
+            self._refuse(408, b"Request Timeout", "REQUEST_TIMEOUT", _HEAD_TOO_SLOW)
         else:
             self.transport.close()
 
-    def _refuse(self, status: bytes, code: str, message: str) -> None:
-        """An answer in the error envelope written by the protocol itself (no request reached the app); the
-        connection is closed after it."""
+    def _refuse(self, status: int, reason: bytes, code: str, message: str) -> None:
+        """An answer in the error envelope written by the protocol itself (no request reached the app, nor the
+        response counter, so it is counted here); the connection is closed after it."""
+        metrics.observe_http_response(UNPARSED, UNMATCHED, status)
         body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        self.transport.write(
-            b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+        self.transport.write(head % (status, reason, len(body)) + body)
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -127,7 +131,7 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
             return
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(b"431 Request Header Fields Too Large", "PAYLOAD_TOO_LARGE", _HEAD_TOO_LARGE)
+            self._refuse(431, b"Request Header Fields Too Large", "PAYLOAD_TOO_LARGE", _HEAD_TOO_LARGE)
 
 
 _HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
