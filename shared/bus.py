@@ -52,7 +52,8 @@ EVENT_SUBJECT_ROOT = "memories.events"
 DEAD_LETTER_ROOT = "dlq"
 API_KEY_REVOKED_SUBJECT = "memories.api-keys.revoked"  # core NATS, in no stream: a broadcast to the API processes
 WRITE_BATCHES_IN_HAND = 2
-"""A writer holds a partition's batch being decided and the next one being prepared (embedded)."""
+"""A writer holds a partition's batch being decided and the next one being prepared (embedded); the writes it
+sets aside to wait on a model take from the same budget."""
 
 
 def partition_of(memory_id: str, partitions: int) -> int:
@@ -144,9 +145,10 @@ def layout(settings: Settings) -> Layout:
             filter_subject=partition_filter(p),
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            # A partition's writer holds one batch being decided and the next being prepared, in order. A
-            # second replica can fetch only what the first left; the memory lock keeps the decisions on
-            # each memory serial either way.
+            # A partition's writer holds one batch being decided and the next being prepared, in order, and
+            # the writes it has set aside to wait on a model (services.writer.handler): a partition whose
+            # budget is all set aside fetches nothing more until some are decided. A second replica can fetch
+            # only what the first left; the memory lock keeps the decisions on each memory serial either way.
             max_ack_pending=WRITE_BATCHES_IN_HAND * settings.memories_write_batch,
             ack_wait=settings.memories_ack_wait_s,
             # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
@@ -441,12 +443,12 @@ async def kept_in_progress(messages: Sequence[Msg], ack_wait_s: float) -> AsyncI
 async def _keep_in_progress(messages: Sequence[Msg], every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
-        failure: nats.errors.Error | None = None
+        failure: Exception | None = None
         for message in messages:
             if not message.is_acked:
                 try:
                     await message.in_progress()
-                except nats.errors.Error as exc:  # the bus is down: tried again next time; nothing is lost
+                except Exception as exc:  # noqa: BLE001 - the bus is down, mostly: tried again next time; nothing is lost
                     failure = exc
         if failure is not None:
             log.warning("could not keep messages in progress: %s", str(failure) or type(failure).__name__)

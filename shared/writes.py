@@ -154,13 +154,22 @@ class WriteApplier:
             prepared = PreparedWrite(event, content_hash(event.content), embedding)
         if prepared.failed is not None:
             return prepared.failed
+        applied = await self._apply_alone(prepared, wait_for_busy_memory=True)
+        assert isinstance(applied, AppliedWrite)
+        return applied
+
+    async def _apply_alone(self, prepared: PreparedWrite, *, wait_for_busy_memory: bool) -> AppliedWrite | MemoryBusy:
+        """One write in its own transaction; unless `wait_for_busy_memory`, `MemoryBusy` if another holds its memory."""
+        memory_id = prepared.event.memory_id
         try:
             async with self._sessions.begin() as session:
-                decided = await self._decide_batch(session, [prepared])
+                if not wait_for_busy_memory and await repo.lock_memories_unless_busy(session, [memory_id]):
+                    return MemoryBusy(memory_id)
+                decided = await self._decide_batch(session, [prepared], locked=not wait_for_busy_memory)
                 await self._store(session, decided)
                 return decided[0].applied
         except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
-            return await self.record_failure(event, "EMBEDDING_UNAVAILABLE", str(exc))
+            return await self.record_failure(prepared.event, "EMBEDDING_UNAVAILABLE", str(exc))
 
     async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Exception]:
         """`prepare`, then `decide`: one exact-copy query, one embedding call, one transaction."""
@@ -197,41 +206,43 @@ class WriteApplier:
         what is decided is always a prefix, in order. Unless `wait_for_busy_memories`, the writes of a memory
         that another transaction holds are left undecided (`MemoryBusy`): one memory holds up no other.
         """
-        ready = [one for one in prepared if one.failed is None]
+        # One result per prepared write, in its place: the failure it came with, its decision, or its memory busy.
+        results: list[AppliedWrite | Exception | None] = [one.failed for one in prepared]
+        ready = [i for i, one in enumerate(prepared) if one.failed is None]
+        if not ready:
+            return [one.failed for one in prepared if one.failed is not None]
         busy: set[str] = set()
-        decided: list[AppliedWrite | Exception] = []
-        if ready:
-            try:
-                async with self._sessions.begin() as session:
-                    if not wait_for_busy_memories:
-                        busy = await repo.lock_memories_unless_busy(session, [one.event.memory_id for one in ready])
-                        ready = [one for one in ready if one.event.memory_id not in busy]
-                    together = await self._decide_batch(session, ready, locked=not wait_for_busy_memories)
-                    await self._store(session, together)
-                decided = [one.applied for one in together]
-            except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
-                decided = []
-                outage: Exception | None = None
-                for one in ready:
-                    # Past an outage, none is tried: a later write must not be decided before an earlier one.
-                    result = outage or await self._apply_isolated(one)
-                    if outage is None and isinstance(result, Exception) and bus.is_outage(result):
-                        outage = result
-                    decided.append(result)
-        results = iter(decided)
-        # One result per prepared write, in its place: the failure it came with, its memory busy, or its decision.
-        return [
-            one.failed if one.failed is not None
-            else MemoryBusy(one.event.memory_id) if one.event.memory_id in busy
-            else next(results)
-            for one in prepared
-        ]
-
-    async def _apply_isolated(self, prepared: PreparedWrite) -> AppliedWrite | Exception:
         try:
-            return await self.apply(prepared.event, prepared.embedding)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
-            return exc
+            async with self._sessions.begin() as session:
+                if not wait_for_busy_memories:
+                    busy = await repo.lock_memories_unless_busy(session, [prepared[i].event.memory_id for i in ready])
+                free = [i for i in ready if prepared[i].event.memory_id not in busy]
+                together = await self._decide_batch(session, [prepared[i] for i in free], locked=not wait_for_busy_memories)
+                await self._store(session, together)
+            for i, one in zip(free, together, strict=True):
+                results[i] = one.applied
+        except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
+            outage: Exception | None = None
+            for i in ready:
+                memory_id = prepared[i].event.memory_id
+                # Past an outage, none is tried, and past a busy memory none of its writes: a later write must not
+                # be decided before an earlier one.
+                if memory_id in busy:
+                    results[i] = MemoryBusy(memory_id)
+                    continue
+                try:
+                    result = outage or await self._apply_alone(prepared[i], wait_for_busy_memory=wait_for_busy_memories)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
+                    result = exc
+                if isinstance(result, MemoryBusy):
+                    busy.add(memory_id)
+                elif outage is None and isinstance(result, Exception) and bus.is_outage(result):
+                    outage = result
+                results[i] = result
+        return [
+            MemoryBusy(one.event.memory_id) if result is None else result
+            for one, result in zip(prepared, results, strict=True)
+        ]
 
     async def _decide_batch(
         self, session: AsyncSession, batch: Sequence[PreparedWrite], *, locked: bool = False

@@ -31,7 +31,7 @@ from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
 from shared.settings import Settings
-from shared.writes import AppliedWrite, Decided, WriteApplier
+from shared.writes import AppliedWrite, Decided, MemoryBusy, PreparedWrite, WriteApplier
 from tests.conftest import wait_until_blocked_by
 from tests.test_agent_paths import EMAIL, EMAIL_DETAIL
 
@@ -322,73 +322,47 @@ def test_the_audit_names_the_model_of_whichever_step_asked_it(rule: str, prompt_
     assert (record.model, record.prompt_version) == (("scripted/m" if prompt_version else None), prompt_version)
 
 
-async def test_a_write_waiting_on_arbitration_holds_up_no_other_partition(
-    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
-    settings: Settings, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A REST write may ask for arbitration, which the service's own model makes: it must not run inside the
-    # transaction that other partitions' writes share.
-    asked, release = asyncio.Event(), asyncio.Event()
+class HeldModel:
+    """Every merge (or arbitration) a model is asked for waits until released, then fails; `asked` counts them."""
 
-    async def held_arbitration(_steps: Any, _incoming: str, _shortlist: Any) -> None:
-        asked.set()
-        await release.wait()
-
-    monkeypatch.setattr(ModelSteps, "arbitrate", held_arbitration)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
-    arbitrated, other = await new_memory(client, project, "arbitrated"), await new_memory(client, project, "other")
-    await applier.apply_batch([write(arbitrated, "Ada prefers tea")])
-    nc = await nats.connect(settings.nats_url)
-    try:
-        handler = WriteHandler(applier, nc, settings)
-        slow = await applier.prepare([write(arbitrated, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)])
-        waiting = asyncio.create_task(handler.decide(slow))
-        await asyncio.wait_for(asked.wait(), 10)
-        try:
-            quick = await asyncio.wait_for(handler.decide(await applier.prepare([write(other, "Bob rides a bike")])), 10)
-        finally:
-            release.set()
-        assert actions(quick) == ["created"]
-        assert actions(await waiting) == ["created"]  # the held verdict counts as failed: the guarded rule
-    finally:
-        await nc.close()
-
-
-class HeldMerges:
-    """Every merge a model is asked for waits until released; `asked` counts them."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.asked: list[str] = []
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, step: str = "consolidate") -> None:
+        self.asked: list[tuple[Any, ...]] = []
         self.release = asyncio.Event()
 
-        async def held_merge(_steps: Any, _existing: str, incoming: str) -> None:
-            self.asked.append(incoming)
+        async def held(_steps: Any, *question: Any) -> None:
+            self.asked.append(question)
             await self.release.wait()
 
-        monkeypatch.setattr(ModelSteps, "consolidate", held_merge)
+        monkeypatch.setattr(ModelSteps, step, held)
 
     async def until_asked(self, count: int) -> None:
         for _ in range(200):
             if len(self.asked) >= count:
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{len(self.asked)} merges asked for, not {count}")
+        raise AssertionError(f"the model was asked {len(self.asked)} times, not {count}")
 
 
 class OwnPartition:
     """A partition no running writer consumes, fed and decided here by one handler."""
 
-    def __init__(self, settings: Settings, sessions: async_sessionmaker[AsyncSession], handler: WriteHandler) -> None:
+    def __init__(
+        self, settings: Settings, sessions: async_sessionmaker[AsyncSession], handler: WriteHandler,
+        ack_wait_s: float = 30.0,
+    ) -> None:
         self.number = settings.memories_partitions + 9
         self._sessions = sessions
         self._handler = handler
         self._js = handler._js
-        self._consumer = PartitionConsumer(self._js, self.number, handler.prepare, handler.finish, batch=32, ack_wait_s=30.0)
+        self._ack_wait_s = ack_wait_s
+        self._consumer = PartitionConsumer(
+            self._js, self.number, handler.prepare, handler.finish, batch=32, ack_wait_s=ack_wait_s
+        )
 
     async def start(self) -> None:
         await self._js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
             durable_name=bus.writer_durable(self.number), filter_subject=bus.partition_filter(self.number),
-            ack_policy=AckPolicy.EXPLICIT, max_ack_pending=64,
+            ack_policy=AckPolicy.EXPLICIT, max_ack_pending=64, ack_wait=self._ack_wait_s,
         ))
         self._consumer.start()
 
@@ -396,6 +370,8 @@ class OwnPartition:
         await self._consumer.stop(timeout=10)
         await self._handler.finish_lanes(timeout=10)
         await self._js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(self.number))
+        # Nothing a failed test left undecided reaches the next one's partition.
+        await self._js.purge_stream(bus.WRITES_STREAM, subject=bus.partition_filter(self.number))
 
     async def publish(self, *events: MemoryWriteRequested) -> None:
         for one in events:
@@ -428,7 +404,7 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
 ) -> None:
     # Memories share a partition with many others, of other projects too: an agent's merge by a slow model must
     # not hold their writes, in its batch or in the batches after it; its own memory's later writes wait for it.
-    model = HeldMerges(monkeypatch)
+    model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
     merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
     await applier.apply_batch([write(merging, EMAIL)])
@@ -445,7 +421,7 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
         await partition.until_decided(neighbours)
         await partition.publish(later, next_neighbours)  # the next batch
         await partition.until_decided(next_neighbours)
-        assert not await partition.decided(merge, later)  # in their memory's lane, in order
+        assert not await partition.decided(merge) and not await partition.decided(later)  # in their lane, in order
         assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before + 2
         model.release.set()
         await partition.until_decided(merge, later)
@@ -487,12 +463,137 @@ async def test_a_memory_another_transaction_holds_is_waited_for_aside(
     assert await valid_contents(sessions, held["id"]) == ["A fact for the held memory", "A later fact for it"]
 
 
-async def test_memories_waiting_on_models_are_bounded_and_a_stop_waits_for_them(
+async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A REST write may ask for arbitration, which the service's own model makes.
+    model = HeldModel(monkeypatch, "arbitrate")
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
+    arbitrated, other = await new_memory(client, project, "arbitrated"), await new_memory(client, project, "other")
+    await applier.apply_batch([write(arbitrated, "Ada prefers tea")])
+    nc = await nats.connect(settings.nats_url)
+    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
+    slow = write(arbitrated, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)
+    quick = write(other, "Bob rides a bike")
+    try:
+        await partition.publish(slow, quick)
+        await partition.start()
+        await model.until_asked(1)
+        await partition.until_decided(quick)
+        assert not await partition.decided(slow)
+        model.release.set()
+        await partition.until_decided(slow)
+    finally:
+        model.release.set()
+        await partition.stop()
+        await nc.close()
+
+
+async def test_a_later_write_waits_for_its_memorys_lane_while_that_waits_for_its_turn(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second memory's merge waits for a lane slot, holding no lock yet: its memory's next write, one that
+    # needs no model, must still wait behind it rather than be decided at once.
+    model = HeldModel(monkeypatch)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
+    await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
+    nc = await nats.connect(settings.nats_url)
+    handler = WriteHandler(applier, nc, settings, model_lanes=1)
+    partition = OwnPartition(settings, sessions, handler)
+    agent = AgentContext(model="scripted/held")
+    later = write(second, "Customer's desk is by the window")
+    try:
+        await partition.publish(write(first, EMAIL_DETAIL, agent=agent), write(second, EMAIL_DETAIL, agent=agent))
+        await partition.start()
+        await model.until_asked(1)
+        await partition.publish(later)
+        await asyncio.sleep(1.0)  # time enough for it to be decided, were it not in the lane
+        assert not await partition.decided(later)
+        model.release.set()
+        await partition.until_decided(later)
+    finally:
+        model.release.set()
+        await partition.stop()
+        await nc.close()
+    assert await valid_contents(sessions, second["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
+
+
+async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_writes_are_set_aside(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Which writes may wait on a model is known only once they are prepared: a batch that met an outage there is
+    # prepared again in place, then its merge set aside (not decided in the partition's stead, holding it up).
+    model = HeldModel(monkeypatch)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    prepare, preparing = applier.prepare, []
+
+    async def down_at_first(events: Sequence[MemoryWriteRequested]) -> list[PreparedWrite]:
+        preparing.append(len(events))
+        if len(preparing) == 1:
+            raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+        return await prepare(events)
+
+    merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
+    await applier.apply_batch([write(merging, EMAIL)])
+    monkeypatch.setattr(applier, "prepare", down_at_first)
+    nc = await nats.connect(settings.nats_url)
+    handler = WriteHandler(applier, nc, settings.model_copy(update={"memories_retry_backoff_s": 0.1}))
+    partition = OwnPartition(settings, sessions, handler)
+    merge, neighbours = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held")), write(neighbour, "Bob")
+    try:
+        await partition.publish(merge, neighbours)
+        await partition.start()
+        await model.until_asked(1)
+        await partition.until_decided(neighbours)
+        assert preparing == [2, 2]  # once more after the outage, and not again in the lane
+        model.release.set()
+        await partition.until_decided(merge)
+    finally:
+        model.release.set()
+        await partition.stop()
+        await nc.close()
+
+
+async def test_a_memory_held_once_the_shared_transaction_is_spoilt_is_left_to_wait_with_its_later_writes(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # The writes of a spoilt transaction are applied one by one; a memory another transaction takes meanwhile is
+    # not waited for, and its later writes are not decided before the one left to wait, even once it is free.
+    busy, other = await new_memory(client, project, "busy"), await new_memory(client, project, "other")
+    first, then = write(busy, "First fact of the busy memory"), write(busy, "Second fact of the busy memory")
+    async with sessions() as holder:
+
+        class SpoiltThenHeld(WriteApplier):
+            async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any) -> Decided:
+                if event.content == "poison":
+                    raise RuntimeError("this write breaks its transaction")
+                return await super()._decide_locked(session, event, *args)
+
+            async def _apply_alone(self, prepared: PreparedWrite, *, wait_for_busy_memory: bool) -> Any:
+                if prepared.event.write_id == first.write_id:  # taken just before, let go just after
+                    async with holder.begin():
+                        await repo.lock_memory(holder, busy["id"])
+                        return await super()._apply_alone(prepared, wait_for_busy_memory=wait_for_busy_memory)
+                return await super()._apply_alone(prepared, wait_for_busy_memory=wait_for_busy_memory)
+
+        applier = SpoiltThenHeld(sessions, CountingEmbedder(), "counting")
+        batch = [write(other, "Carol drives"), write(other, "poison"), first, then]
+        results = await asyncio.wait_for(applier.decide(await applier.prepare(batch), wait_for_busy_memories=False), 10)
+    assert actions(results[:1]) == ["created"] and isinstance(results[1], RuntimeError)
+    assert isinstance(results[2], MemoryBusy) and isinstance(results[3], MemoryBusy)
+    assert await valid_contents(sessions, busy["id"]) == []
+
+
+async def test_memories_waiting_on_models_are_bounded(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each holds a database connection while its model answers: no more than the writer's pool has room for.
-    model = HeldMerges(monkeypatch)
+    model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
     first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
     await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
@@ -507,11 +608,40 @@ async def test_memories_waiting_on_models_are_bounded_and_a_stop_waits_for_them(
         await model.until_asked(1)
         await asyncio.sleep(0.5)  # time enough for the second memory's merge to be asked for, were it allowed
         assert len(model.asked) == 1
-        await handler.finish_lanes(timeout=0.2)  # a stop's budget spent: what is undecided is left
-        assert not await partition.decided(*merges)
         model.release.set()
         await handler.finish_lanes(timeout=10)
         assert await partition.decided(*merges) and len(model.asked) == 2
+    finally:
+        model.release.set()
+        await partition.stop()
+        await nc.close()
+
+
+async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_they_come_back(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A model call may take 30 s, longer than a stop's budget: the lane is cancelled, its transaction rolled back,
+    # and its writes, not acknowledged, are redelivered (here to the same consumer, after a short ack wait).
+    model = HeldModel(monkeypatch)
+    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    memory = await new_memory(client, project, "merging")
+    await applier.apply_batch([write(memory, EMAIL)])
+    nc = await nats.connect(settings.nats_url)
+    handler = WriteHandler(applier, nc, settings)
+    partition = OwnPartition(settings, sessions, handler, ack_wait_s=1.0)
+    merge = write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
+    set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
+    try:
+        await partition.publish(merge)
+        await partition.start()
+        await model.until_asked(1)
+        await handler.finish_lanes(timeout=0.2)
+        assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
+        assert not await partition.decided(merge)
+        model.release.set()
+        await partition.until_decided(merge)
+        assert len(model.asked) == 2  # asked again on its redelivery
     finally:
         model.release.set()
         await partition.stop()
@@ -555,10 +685,10 @@ async def test_an_outage_met_by_one_write_stops_the_later_ones_and_what_was_deci
     outcomes = iter(["down", "down", "up", "down", "up"])  # shared, first alone, second alone, ... then back
     decide_batch = WriteApplier._decide_batch
 
-    async def flaky(self: WriteApplier, session: Any, batch: Any) -> Any:
+    async def flaky(self: WriteApplier, session: Any, batch: Any, **options: Any) -> Any:
         if next(outcomes, "up") == "down":
             raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
-        return await decide_batch(self, session, batch)
+        return await decide_batch(self, session, batch, **options)
 
     monkeypatch.setattr(WriteApplier, "_decide_batch", flaky)
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
@@ -585,7 +715,7 @@ async def test_stopping_the_writer_ends_the_wait_for_an_outage_at_once(
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The batch is then handed back (redelivered), within the stop's budget, not after the pause it was in.
-    async def down(self: WriteApplier, session: Any, batch: Any) -> Any:
+    async def down(self: WriteApplier, session: Any, batch: Any, **_options: Any) -> Any:
         raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
 
     monkeypatch.setattr(WriteApplier, "_decide_batch", down)

@@ -505,10 +505,10 @@ async def test_an_outage_is_waited_out_in_place_and_no_write_is_handed_back(
     down = iter(range(3))
     decide_batch = WriteApplier._decide_batch
 
-    async def restarting_database(self: WriteApplier, session: Any, batch: Any) -> Any:
+    async def restarting_database(self: WriteApplier, session: Any, batch: Any, **options: Any) -> Any:
         if next(down, None) is not None:
             raise OperationalError("SELECT 1", {}, ConnectionError("the database system is starting up"))
-        return await decide_batch(self, session, batch)
+        return await decide_batch(self, session, batch, **options)
 
     handed_back: list[str] = []
     nak = Msg.nak

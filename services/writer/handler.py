@@ -87,47 +87,43 @@ class WriteHandler:
 
     async def finish(self, batch: PreparedBatch) -> None:
         """Decide a prepared batch in its order, then acknowledge, answer and announce each write; the writes of
-        a memory that may wait on a model, or that has writes set aside already, go to that memory's lane."""
-        aside = self._memories_set_aside(batch)
-        if aside:
-            lanes: dict[str, list[int]] = {}
-            now: list[int] = []
-            for i, (_, event) in enumerate(batch.events):
-                if event.memory_id in aside:
-                    lanes.setdefault(event.memory_id, []).append(i)
-                else:
-                    now.append(i)
-            for memory_id, indices in lanes.items():
-                self._set_aside(memory_id, batch.part(indices))
-            batch = batch.part(now)
+        a memory that may wait on a model, or that has writes set aside in this partition already, go to that
+        memory's lane."""
+        batch = await self._prepared_through_outages(batch)
+        memories = {event.memory_id for _, event in batch.events if event.memory_id in self._lanes}
+        memories.update(one.event.memory_id for one in batch.prepared if self._applier.may_wait_on_a_model(one))
+        if memories:
+            aside = [i for i, (_, event) in enumerate(batch.events) if event.memory_id in memories]
+            self._set_aside(batch, aside)
+            batch = batch.part([i for i, (_, event) in enumerate(batch.events) if event.memory_id not in memories])
         await self._conclude(batch)
 
-    def _set_aside_busy(self, batch: PreparedBatch, results: Sequence[AppliedWrite | Exception]) -> None:
-        """The writes of memories another transaction held, set aside to wait for them, in their order."""
+    async def _prepared_through_outages(self, batch: PreparedBatch) -> PreparedBatch:
+        """A batch whose preparing met an outage is prepared again once it is over, waited out in place as
+        decisions are (`_decide_through_outages`): which of its writes may wait on a model is known only then."""
+        pause = self._backoff
+        while batch.failure is not None and bus.is_outage(batch.failure) and not self._stop.is_set():
+            log.warning("outage: the batch waits in place, in order (%s)", str(batch.failure) or "unreachable")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), pause)
+            pause = min(pause * 2, 30.0)
+            batch = await self.prepare([message for message, _ in batch.events])
+        return batch
+
+    def _set_aside(self, batch: PreparedBatch, indices: Sequence[int]) -> None:
+        """The writes at `indices`, each memory's in a lane after the writes it has set aside already: decided
+        in their order without holding up the partition."""
         lanes: dict[str, list[int]] = {}
-        for i, result in enumerate(results):
-            if isinstance(result, MemoryBusy):
-                lanes.setdefault(batch.events[i][1].memory_id, []).append(i)
-        for memory_id, indices in lanes.items():
-            self._set_aside(memory_id, batch.part(indices))
+        for i in indices:
+            lanes.setdefault(batch.events[i][1].memory_id, []).append(i)
+        for memory_id, own in lanes.items():
+            lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), batch.part(own)))
+            self._lanes[memory_id] = lane
+            lane.add_done_callback(partial(self._close_lane, memory_id))
 
-    def _memories_set_aside(self, batch: PreparedBatch) -> set[str]:
-        aside = {event.memory_id for _, event in batch.events if event.memory_id in self._lanes}
-        # A batch that could not be prepared is not known to wait on a model; it is decided in its own
-        # transaction if it turns out to (WriteHandler.decide).
-        aside.update(one.event.memory_id for one in batch.prepared if self._applier.may_wait_on_a_model(one))
-        return aside
-
-    def _set_aside(self, memory_id: str, writes: PreparedBatch) -> None:
-        """Decide a memory's writes after those it has set aside already, without holding up the partition."""
-        lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), writes))
-        self._lanes[memory_id] = lane
-
-        def close(done: asyncio.Task[None]) -> None:
-            if self._lanes.get(memory_id) is done:
-                del self._lanes[memory_id]
-
-        lane.add_done_callback(close)
+    def _close_lane(self, memory_id: str, lane: asyncio.Task[None]) -> None:
+        if self._lanes.get(memory_id) is lane:  # no later writes of the memory set aside behind it
+            del self._lanes[memory_id]
 
     async def _decide_in_lane(self, before: asyncio.Task[None] | None, writes: PreparedBatch) -> None:
         metrics.WRITES_SET_ASIDE.inc(len(writes.events))
@@ -143,22 +139,26 @@ class WriteHandler:
             metrics.WRITES_SET_ASIDE.dec(len(writes.events))
 
     async def finish_lanes(self, timeout: float) -> None:
-        """On stopping: wait (within `timeout`) for the set-aside writes; those not decided are redelivered."""
+        """On stopping: the set-aside writes are decided within `timeout`, or cancelled (their transactions roll
+        back); those not decided are redelivered."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while pending := {lane for lane in self._lanes.values() if not lane.done()}:
             left = deadline - loop.time()
             if left <= 0:
+                for lane in pending:
+                    lane.cancel()
+                await asyncio.wait(pending)
                 return
             await asyncio.wait(pending, timeout=left)
 
     async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> None:
         """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
-        decision waits for its memory; elsewhere a memory another transaction holds is set aside."""
+        decision waits for its memory; elsewhere the writes of a memory another transaction holds are set aside."""
         if not batch.events:
             return
         results = await self._decide_through_outages(batch, in_lane=in_lane)
-        self._set_aside_busy(batch, results)
+        self._set_aside(batch, [i for i, result in enumerate(results) if isinstance(result, MemoryBusy)])
         announcements = []
         for (message, event), result in zip(batch.events, results, strict=True):
             if isinstance(result, MemoryBusy):
@@ -192,10 +192,6 @@ class WriteHandler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), pause)
             pause = min(pause * 2, 30.0)
-            if batch.failure is not None:  # nothing was prepared, so nothing decided: prepare it all again
-                batch = await self.prepare([message for message, _ in batch.events])
-                results = await self._decide(batch, in_lane)
-                continue
             for i, result in zip(stopped, await self._decide(batch.part(stopped), in_lane), strict=True):
                 results[i] = result
         return results
@@ -205,21 +201,17 @@ class WriteHandler:
         self._stop.set()
 
     async def _decide(self, batch: PreparedBatch, in_lane: bool) -> list[AppliedWrite | Exception]:
-        """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps)."""
+        """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps).
+        Partitions' batches share one transaction at a time, which waits for no memory (a busy one's writes get
+        `MemoryBusy`); a lane's writes have their own, which waits for the memory."""
         if batch.failure is not None:
             return [batch.failure] * len(batch.events)
         try:
-            return list(await (self._applier.decide if in_lane else self.decide)(batch.prepared))
+            if in_lane:
+                return await self._applier.decide(batch.prepared)
+            return list(await self._decide_together(batch.prepared))
         except Exception as exc:  # noqa: BLE001 - the shared steps failed (an outage, mostly): all are retried
             return [exc] * len(batch.events)
-
-    async def decide(self, prepared: Sequence[PreparedWrite]) -> Sequence[AppliedWrite | Exception]:
-        """Prepared writes decided in their order. Partitions' batches share one transaction at a time, which
-        waits for no memory (a busy one's writes get `MemoryBusy`), except writes that may wait on a model (a
-        merge, arbitration), which keep to their own: a slow model holds up no shared transaction."""
-        if any(self._applier.may_wait_on_a_model(one) for one in prepared):
-            return await self._applier.decide(prepared)
-        return await self._decide_together(prepared)
 
     async def _decode(self, message: Msg) -> MemoryWriteRequested | None:
         """The message's event; None when it was dead-lettered (retrying cannot fix a malformed one)."""

@@ -109,7 +109,8 @@ class PartitionConsumer(Generic[Prepared]):
             self._in_hand.add(current)
             current.add_done_callback(self._in_hand.discard)
             # The next fetch waits for this batch to be prepared and the one before it to be finished: at most
-            # bus.WRITE_BATCHES_IN_HAND batches unacknowledged, as the durable allows.
+            # bus.WRITE_BATCHES_IN_HAND batches in hand, besides the writes set aside (the durable's
+            # max_ack_pending bounds them all).
             await prepared.wait()
             if previous is not None:
                 await asyncio.wait({previous})
