@@ -131,9 +131,11 @@ class WriteApplier:
         such a write, and its memory's later writes, aside in a transaction of their own, so that a slow model
         holds up no other memory."""
         event = prepared.event
+        if prepared.embedding is None:  # an exact copy (skipped without asking), or a write failed already
+            return False
         if event.agent is not None:
             return True
-        if self._default_agent is None or prepared.embedding is None:  # no model to ask, or an exact copy
+        if self._default_agent is None:  # no model to ask
             return False
         if event.write_policy is not None:
             return event.write_policy is WritePolicy.ARBITRATE

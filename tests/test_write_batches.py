@@ -663,6 +663,7 @@ async def test_which_writes_may_wait_on_a_model(
 
     agent_write = write(seed, "An agent's fact", agent=AgentContext(model="scripted/agent"))
     assert await may_wait(without_model, agent_write)  # a merge
+    assert not await may_wait(without_model, write(seed, "Stored first", agent=AgentContext(model="scripted/agent")))
     assert not await may_wait(without_model, write(seed, "x", write_policy=WritePolicy.ARBITRATE))
     assert await may_wait(with_model, write(arbitrated, "A new fact"))  # its memory's policy, as last decided
     assert not await may_wait(with_model, write(seed, "A new fact"))
