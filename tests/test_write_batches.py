@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -352,7 +353,7 @@ class OwnPartition:
     ) -> None:
         self.number = settings.memories_partitions + 9
         self._sessions = sessions
-        self._handler = handler
+        self.handler = handler
         self._js = handler._js
         self._ack_wait_s = ack_wait_s
         self._consumer = PartitionConsumer(
@@ -368,7 +369,7 @@ class OwnPartition:
 
     async def stop(self) -> None:
         await self._consumer.stop(timeout=10)
-        await self._handler.finish_lanes(timeout=10)
+        await self.handler.finish_lanes(timeout=0)  # what a failed test left in a lane is cancelled
         await self._js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(self.number))
         # Nothing a failed test left undecided reaches the next one's partition.
         await self._js.purge_stream(bus.WRITES_STREAM, subject=bus.partition_filter(self.number))
@@ -398,6 +399,20 @@ class OwnPartition:
         return info.num_ack_pending + info.num_pending
 
 
+@asynccontextmanager
+async def own_partition(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], applier: WriteApplier, *, model_lanes: int = 16,
+    ack_wait_s: float = 30.0,
+) -> AsyncIterator[OwnPartition]:
+    nc = await nats.connect(settings.nats_url)
+    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings, model_lanes=model_lanes), ack_wait_s)
+    try:
+        yield partition
+    finally:
+        await partition.stop()
+        await nc.close()
+
+
 async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
@@ -408,13 +423,11 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
     merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
     await applier.apply_batch([write(merging, EMAIL)])
-    nc = await nats.connect(settings.nats_url)
-    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
     merge = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
     later, neighbours = write(merging, "Customer's desk is by the window"), write(neighbour, "Bob rides a bike")
     next_neighbours = write(neighbour, "Bob commutes by train in winter")
     set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
-    try:
+    async with own_partition(settings, sessions, applier) as partition:
         await partition.publish(merge, neighbours)  # one batch
         await partition.start()
         await model.until_asked(1)
@@ -427,10 +440,6 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
         await partition.until_decided(merge, later)
         assert await partition.unacknowledged() == 0
         assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
     assert await valid_contents(sessions, merging["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
@@ -441,11 +450,9 @@ async def test_a_memory_another_transaction_holds_is_waited_for_aside(
     # the transaction the partitions share must not wait for it, the memory's writes wait aside.
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
     held, neighbour = await new_memory(client, project, "held"), await new_memory(client, project, "neighbour")
-    nc = await nats.connect(settings.nats_url)
-    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
     waiting, later = write(held, "A fact for the held memory"), write(held, "A later fact for it")
     neighbours = write(neighbour, "A fact for its neighbour")
-    try:
+    async with own_partition(settings, sessions, applier) as partition:
         await partition.start()
         async with sessions() as holder, holder.begin():
             await repo.lock_memory(holder, held["id"])
@@ -457,9 +464,6 @@ async def test_a_memory_another_transaction_holds_is_waited_for_aside(
             assert not await partition.decided(waiting) and not await partition.decided(later)
         await partition.until_decided(waiting, later)
         assert await partition.unacknowledged() == 0
-    finally:
-        await partition.stop()
-        await nc.close()
     assert await valid_contents(sessions, held["id"]) == ["A fact for the held memory", "A later fact for it"]
 
 
@@ -472,11 +476,9 @@ async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
     arbitrated, other = await new_memory(client, project, "arbitrated"), await new_memory(client, project, "other")
     await applier.apply_batch([write(arbitrated, "Ada prefers tea")])
-    nc = await nats.connect(settings.nats_url)
-    partition = OwnPartition(settings, sessions, WriteHandler(applier, nc, settings))
     slow = write(arbitrated, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)
     quick = write(other, "Bob rides a bike")
-    try:
+    async with own_partition(settings, sessions, applier) as partition:
         await partition.publish(slow, quick)
         await partition.start()
         await model.until_asked(1)
@@ -484,41 +486,6 @@ async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
         assert not await partition.decided(slow)
         model.release.set()
         await partition.until_decided(slow)
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
-
-
-async def test_a_later_write_waits_for_its_memorys_lane_while_that_waits_for_its_turn(
-    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
-    settings: Settings, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The second memory's merge waits for a lane slot, holding no lock yet: its memory's next write, one that
-    # needs no model, must still wait behind it rather than be decided at once.
-    model = HeldModel(monkeypatch)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
-    first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
-    await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
-    nc = await nats.connect(settings.nats_url)
-    handler = WriteHandler(applier, nc, settings, model_lanes=1)
-    partition = OwnPartition(settings, sessions, handler)
-    agent = AgentContext(model="scripted/held")
-    later = write(second, "Customer's desk is by the window")
-    try:
-        await partition.publish(write(first, EMAIL_DETAIL, agent=agent), write(second, EMAIL_DETAIL, agent=agent))
-        await partition.start()
-        await model.until_asked(1)
-        await partition.publish(later)
-        await asyncio.sleep(1.0)  # time enough for it to be decided, were it not in the lane
-        assert not await partition.decided(later)
-        model.release.set()
-        await partition.until_decided(later)
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
-    assert await valid_contents(sessions, second["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
 async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_writes_are_set_aside(
@@ -540,11 +507,8 @@ async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_w
     merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
     await applier.apply_batch([write(merging, EMAIL)])
     monkeypatch.setattr(applier, "prepare", down_at_first)
-    nc = await nats.connect(settings.nats_url)
-    handler = WriteHandler(applier, nc, settings.model_copy(update={"memories_retry_backoff_s": 0.1}))
-    partition = OwnPartition(settings, sessions, handler)
     merge, neighbours = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held")), write(neighbour, "Bob")
-    try:
+    async with own_partition(settings.model_copy(update={"memories_retry_backoff_s": 0.1}), sessions, applier) as partition:
         await partition.publish(merge, neighbours)
         await partition.start()
         await model.until_asked(1)
@@ -552,10 +516,6 @@ async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_w
         assert preparing == [2, 2]  # once more after the outage, and not again in the lane
         model.release.set()
         await partition.until_decided(merge)
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
 
 
 async def test_a_memory_held_once_the_shared_transaction_is_spoilt_is_left_to_wait_with_its_later_writes(
@@ -588,33 +548,31 @@ async def test_a_memory_held_once_the_shared_transaction_is_spoilt_is_left_to_wa
     assert await valid_contents(sessions, busy["id"]) == []
 
 
-async def test_memories_waiting_on_models_are_bounded(
+async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_behind_one_waiting_for_its_turn(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Each holds a database connection while its model answers: no more than the writer's pool has room for.
+    # Each lane holds a database connection while its model answers: no more than the writer's pool has room for.
+    # The second memory's merge waits for its turn, holding no lock yet: its memory's next write, one that needs no
+    # model, must still wait behind it rather than be decided at once.
     model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
     first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
     await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
-    nc = await nats.connect(settings.nats_url)
-    handler = WriteHandler(applier, nc, settings, model_lanes=1)
-    partition = OwnPartition(settings, sessions, handler)
     agent = AgentContext(model="scripted/held")
     merges = [write(first, EMAIL_DETAIL, agent=agent), write(second, EMAIL_DETAIL, agent=agent)]
-    try:
+    later = write(second, "Customer's desk is by the window")
+    async with own_partition(settings, sessions, applier, model_lanes=1) as partition:
         await partition.publish(*merges)
         await partition.start()
         await model.until_asked(1)
-        await asyncio.sleep(0.5)  # time enough for the second memory's merge to be asked for, were it allowed
-        assert len(model.asked) == 1
+        await partition.publish(later)
+        await asyncio.sleep(1.0)  # time enough for the second merge to be asked, and the later write decided, if let
+        assert len(model.asked) == 1 and not await partition.decided(later)
         model.release.set()
-        await handler.finish_lanes(timeout=10)
-        assert await partition.decided(*merges) and len(model.asked) == 2
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
+        await partition.until_decided(*merges, later)
+        assert len(model.asked) == 2
+    assert await valid_contents(sessions, second["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
 async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_they_come_back(
@@ -627,25 +585,18 @@ async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_they_c
     applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
     memory = await new_memory(client, project, "merging")
     await applier.apply_batch([write(memory, EMAIL)])
-    nc = await nats.connect(settings.nats_url)
-    handler = WriteHandler(applier, nc, settings)
-    partition = OwnPartition(settings, sessions, handler, ack_wait_s=1.0)
     merge = write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
     set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
-    try:
+    async with own_partition(settings, sessions, applier, ack_wait_s=1.0) as partition:
         await partition.publish(merge)
         await partition.start()
         await model.until_asked(1)
-        await handler.finish_lanes(timeout=0.2)
+        await partition.handler.finish_lanes(timeout=0.2)
         assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
         assert not await partition.decided(merge)
         model.release.set()
         await partition.until_decided(merge)
         assert len(model.asked) == 2  # asked again on its redelivery
-    finally:
-        model.release.set()
-        await partition.stop()
-        await nc.close()
 
 
 async def test_which_writes_may_wait_on_a_model(
