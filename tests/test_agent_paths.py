@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import nats
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from services.writer.provenance import ProvenanceHandler
 from shared import bus
 from shared import repository as repo
 from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
@@ -25,22 +28,15 @@ from shared.events import (
     utcnow,
 )
 from shared.ids import new_write_id
-from shared.scripted_llm import ScriptedLLM, scripted_llm
+from shared.scripted_llm import ScriptedLLM
 from shared.settings import Settings
 from shared.writes import WriteApplier
-from tests.conftest import open_api, wait_until_blocked_by
+from tests.conftest import local_embed, open_api, wait_until_blocked_by
 
 EMAIL = "Customer prefers email over phone calls"
 EMAIL_DETAIL = "Customer prefers email over phone calls, ideally in the morning"  # cosine ≈ 0.90
 REVERSED = "Customer prefers phone calls over email"  # cosine ≈ 0.99
 MERGED = "Customer prefers email over phone calls, ideally in the morning."
-
-
-@pytest.fixture
-def llm() -> ScriptedLLM:
-    provider = scripted_llm()
-    provider.calls.clear()
-    return provider
 
 
 def agent(model: str, memory_id: str, **extra: Any) -> dict[str, Any]:
@@ -162,7 +158,7 @@ async def test_a_merge_embeds_each_text_once(
 
     async def counting(texts: Any) -> list[list[float]]:
         embedded.append(list(texts))
-        return await _local_embed(texts)
+        return await local_embed(texts)
 
     event = MemoryWriteRequested(
         event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content=EMAIL_DETAIL,
@@ -176,7 +172,7 @@ async def test_a_merge_embeds_each_text_once(
     async with sessions() as session:
         stored = await session.scalar(
             text("SELECT embedding FROM memory_entries WHERE id = :id"), {"id": applied.outcome.entry_id})
-    assert cosine(stored.to_list(), (await _local_embed([MERGED]))[0]) > 0.999
+    assert cosine(stored.to_list(), (await local_embed([MERGED]))[0]) > 0.999
 
 
 @pytest.mark.parametrize(("character", "stored_as"), [("\x00", ""), ("\ud800", "\ufffd")], ids=["nul", "lone-surrogate"])
@@ -499,7 +495,7 @@ async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
     )
     forgot = await client.delete("/conversations/conv_late/provenance", params={"project_id": project})
     assert forgot.json() == {"cleared": 0}
-    applied = await WriteApplier(sessions, _local_embed, LOCAL_MODEL).apply(late)
+    applied = await WriteApplier(sessions, local_embed, LOCAL_MODEL).apply(late)
     entry = await get_entry(client, applied.outcome.entry_id or "")
     assert (entry["source_generation_id"], entry["source_conversation_id"]) == ("gen_kept", None)
 
@@ -524,7 +520,7 @@ async def test_a_conversation_cited_again_after_it_was_forgotten_keeps_its_new_r
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     # A platform's "clear history" keeps the conversation id: what the conversation says afterwards is cited.
-    project, applier = memory["project_id"], WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    project, applier = memory["project_id"], WriteApplier(sessions, local_embed, LOCAL_MODEL)
 
     def citing(content: str, **times: Any) -> MemoryWriteRequested:
         return MemoryWriteRequested(
@@ -555,7 +551,7 @@ async def test_a_conversation_cited_again_after_it_was_forgotten_keeps_its_new_r
 async def test_a_conversation_deletion_delivered_again_clears_no_citation_made_since(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    project, applier = memory["project_id"], WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    project, applier = memory["project_id"], WriteApplier(sessions, local_embed, LOCAL_MODEL)
 
     async def citing(content: str) -> str:
         write = MemoryWriteRequested(event_id=new_write_id(), project_id=project, memory_id=memory["id"],
@@ -604,12 +600,52 @@ async def test_a_forgotten_generation_stays_forgotten_even_for_a_later_write(
         event_id=new_write_id(), project_id=project, memory_id=memory["id"], content="Tea is served at four",
         source_type="agent", source_generation_id="gen_deleted",
     )
-    applied = await WriteApplier(sessions, _local_embed, LOCAL_MODEL).apply(late_tool_call)
+    applied = await WriteApplier(sessions, local_embed, LOCAL_MODEL).apply(late_tool_call)
     assert (await get_entry(client, applied.outcome.entry_id or ""))["source_generation_id"] is None
 
 
-async def _local_embed(texts: Any) -> list[list[float]]:
-    return await embed_texts(list(texts), model=LOCAL_MODEL)
+class DeliveredDeletion:
+    """A deletion event as the writer's subscriber hands it over, delivered `delivered` times so far."""
+
+    def __init__(self, event: GenerationDeleted, delivered: int) -> None:
+        metadata = SimpleNamespace(num_delivered=delivered, timestamp=None)
+        self.raw_message = SimpleNamespace(subject=bus.generation_deleted_subject(event.project_id), metadata=metadata)
+        self.body = event.model_dump_json().encode()
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nack(self, delay: float | None = None) -> None:
+        self.settled.append("nack")
+
+
+async def test_a_deletion_that_keeps_failing_is_dead_lettered_after_its_deliveries_an_outage_never(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was handed back every second for ever: a poison deletion must end, as a poison write does.
+    failure: Exception = RuntimeError("a bug, not an outage")
+
+    async def failing(*_args: Any, **_kwargs: Any) -> int:
+        raise failure
+
+    monkeypatch.setattr(repo, "clear_provenance", failing)
+    letters: list[str] = []
+
+    async def dead_letter(_subject: str, _body: bytes, *, reason: str) -> None:
+        letters.append(reason)
+
+    handler = ProvenanceHandler(sessions, dead_letter, settings)
+    event = GenerationDeleted(event_id="evt_poison", project_id="prj_x", generation_id="gen_poison")
+    first, last = DeliveredDeletion(event, 1), DeliveredDeletion(event, settings.memories_max_deliver)
+    await handler.handle(first)
+    await handler.handle(last)
+    assert (first.settled, last.settled) == (["nack"], ["ack"])
+    assert len(letters) == 1 and letters[0].startswith(f"gave up after {settings.memories_max_deliver}")
+    failure = OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+    outage = DeliveredDeletion(event, settings.memories_max_deliver * 10)
+    await handler.handle(outage)
+    assert outage.settled == ["nack"] and len(letters) == 1
 
 
 async def test_forgetting_what_no_entry_can_hold_is_a_no_op_not_an_error(

@@ -28,6 +28,9 @@ from shared.writes import WriteApplier
 
 log = logging.getLogger("memories.writer")
 
+STOP_BUDGET_S = 10.0
+"""How long a stopping writer finishes what it holds (batches in hand, writes set aside); the rest is redelivered."""
+
 _DELETIONS = (
     (bus.WRITER_GENERATION_DELETIONS, f"{bus.GENERATION_DELETED_ROOT}.*"),
     (bus.WRITER_CONVERSATION_DELETIONS, f"{bus.CONVERSATION_DELETED_ROOT}.*"),
@@ -46,7 +49,7 @@ class Writer(ConsumerProcess):
         # (services.writer.handler's lanes); the shared transaction, the copies' query and the deletion
         # consumers take a few more, within the pool's overflow.
         self._model_lanes = min(len(self.partitions), 32)
-        super().__init__(settings, pool_size=self._model_lanes + 2, graceful_timeout=10.0)
+        super().__init__(settings, pool_size=self._model_lanes + 2, graceful_timeout=STOP_BUDGET_S)
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []
@@ -73,7 +76,7 @@ class Writer(ConsumerProcess):
         )
         await embed_batch(["warm up"])  # loads litellm and the model before the first write waits on them
         self._handler = WriteHandler(applier, nc, self.settings, model_lanes=self._model_lanes)
-        self._provenance = ProvenanceHandler(session_factory(self.engine), self._handler.dead_letter)
+        self._provenance = ProvenanceHandler(session_factory(self.engine), self._handler.dead_letter, self.settings)
 
     async def start(self) -> None:
         await super().start()
@@ -97,8 +100,8 @@ class Writer(ConsumerProcess):
         if self._handler is not None:
             self._handler.stop()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10.0  # one budget for the batches in hand and the writes set aside
-        await asyncio.gather(*(consumer.stop(timeout=10.0) for consumer in self._partition_consumers))
+        deadline = loop.time() + STOP_BUDGET_S
+        await asyncio.gather(*(consumer.stop(timeout=STOP_BUDGET_S) for consumer in self._partition_consumers))
         if self._handler is not None:
             await self._handler.finish_lanes(timeout=deadline - loop.time())
         await super().stop()

@@ -8,16 +8,20 @@ from faststream.nats.message import NatsMessage
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from shared import bus
 from shared import repository as repo
 from shared.events import ConversationDeleted, GenerationDeleted
+from shared.settings import Settings
 
 log = logging.getLogger("memories.writer")
 
 
 class ProvenanceHandler:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], dead_letter) -> None:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], dead_letter, settings: Settings) -> None:
         self._sessions = sessions
         self._dead_letter = dead_letter
+        self._max_deliver = settings.memories_max_deliver
+        self._backoff = settings.memories_retry_backoff_s
 
     async def handle(self, message: NatsMessage) -> None:
         subject = message.raw_message.subject
@@ -44,9 +48,16 @@ class ProvenanceHandler:
                     cleared = await repo.clear_provenance(
                         session, event.project_id, conversation_id=event.conversation_id, deleted_at=deleted_at
                     )
-        except Exception:
-            log.exception("could not clear provenance for %s", subject)
-            await message.nack(delay=1.0)
+        except Exception as exc:
+            # As for writes: an outage is retried for as long as it lasts, anything else MEMORIES_MAX_DELIVER times.
+            delivered = message.raw_message.metadata.num_delivered if message.raw_message.metadata else 1
+            if bus.is_outage(exc) or delivered < self._max_deliver:
+                log.warning("could not clear provenance for %s, will retry", subject, exc_info=exc)
+                await message.nack(delay=bus.retry_delay(self._backoff, delivered))
+                return
+            log.error("could not clear provenance for %s, giving up", subject, exc_info=exc)
+            await self._dead_letter(subject, message.body, reason=f"gave up after {delivered}: {exc!r}")
+            await message.ack()
             return
         await message.ack()
         log.info("provenance cleared on %d entries", cleared, extra={"subject": subject})
