@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,9 @@ from services.extractor.main import ExtractorService
 from services.writer.main import Writer
 from shared.db.migrate import upgrade
 from shared.db.session import create_engine, session_factory
-from shared.embeddings import EmbeddingError
+from shared.embeddings import LOCAL_MODEL, EmbeddingError, embed_texts
 from shared.events import MemoryWriteOutcome, MemoryWriteRequested
+from shared.scripted_llm import ScriptedLLM, scripted_llm
 from shared.servers import LOOPBACK, EmbeddedNats, EmbeddedPostgres
 from shared.settings import Settings
 from shared.writes import WriteApplier
@@ -66,6 +67,19 @@ def server_urls() -> Iterator[tuple[str, str]]:
 _BLOCKED_BY_ME = text(
     "SELECT count(*) FROM pg_locks WHERE NOT granted AND pg_backend_pid() = ANY(pg_blocking_pids(pid))"
 )
+
+
+@pytest.fixture
+def llm() -> ScriptedLLM:
+    """The scripted model provider, its record of calls cleared."""
+    provider = scripted_llm()
+    provider.calls.clear()
+    return provider
+
+
+async def local_embed(texts: Sequence[str]) -> list[list[float]]:
+    """The default model's embeddings, as a writer's embedder is called."""
+    return await embed_texts(list(texts), model=LOCAL_MODEL)
 
 
 async def wait_until_blocked_by(session: AsyncSession, what: str) -> None:

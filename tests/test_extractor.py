@@ -19,19 +19,12 @@ from shared import bus, registry
 from shared.events import GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.llm import LlmError
-from shared.scripted_llm import CustomLLMError, ScriptedLLM, scripted_llm  # after the cost-map setting
+from shared.scripted_llm import CustomLLMError, ScriptedLLM  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 from tests.conftest import WriterWithoutEmbedder, open_api
 
 FACTS = ["The user lives in Porto", "The user is allergic to peanuts", "The user's budget is 40,000 euros"]
-
-
-@pytest.fixture
-def llm() -> ScriptedLLM:
-    provider = scripted_llm()
-    provider.calls.clear()
-    return provider
 
 
 def extraction_only(facts: list[str]) -> Any:

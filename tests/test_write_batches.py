@@ -27,13 +27,13 @@ from shared import bus, metrics
 from shared import repository as repo
 from shared import writes as writes_module
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
-from shared.embeddings import LOCAL_MODEL, embed_texts
+from shared.embeddings import LOCAL_MODEL
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Decided, MemoryBusy, PreparedWrite, WriteApplier
-from tests.conftest import wait_until_blocked_by
+from tests.conftest import local_embed, wait_until_blocked_by
 from tests.test_agent_paths import EMAIL, EMAIL_DETAIL
 
 
@@ -420,7 +420,7 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     # Memories share a partition with many others, of other projects too: an agent's merge by a slow model must
     # not hold their writes, in its batch or in the batches after it; its own memory's later writes wait for it.
     model = HeldModel(monkeypatch)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
     merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
     await applier.apply_batch([write(merging, EMAIL)])
     merge = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
@@ -473,7 +473,7 @@ async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
 ) -> None:
     # A REST write may ask for arbitration, which the service's own model makes.
     model = HeldModel(monkeypatch, "arbitrate")
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
     arbitrated, other = await new_memory(client, project, "arbitrated"), await new_memory(client, project, "other")
     await applier.apply_batch([write(arbitrated, "Ada prefers tea")])
     slow = write(arbitrated, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)
@@ -495,7 +495,7 @@ async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_w
     # Which writes may wait on a model is known only once they are prepared: a batch that met an outage there is
     # prepared again in place, then its merge set aside (not decided in the partition's stead, holding it up).
     model = HeldModel(monkeypatch)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
     prepare, preparing = applier.prepare, []
 
     async def down_at_first(events: Sequence[MemoryWriteRequested]) -> list[PreparedWrite]:
@@ -556,7 +556,7 @@ async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_be
     # The second memory's merge waits for its turn, holding no lock yet: its memory's next write, one that needs no
     # model, must still wait behind it rather than be decided at once.
     model = HeldModel(monkeypatch)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
     first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
     await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
     agent = AgentContext(model="scripted/held")
@@ -582,7 +582,7 @@ async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_they_c
     # A model call may take 30 s, longer than a stop's budget: the lane is cancelled, its transaction rolled back,
     # and its writes, not acknowledged, are redelivered (here to the same consumer, after a short ack wait).
     model = HeldModel(monkeypatch)
-    applier = WriteApplier(sessions, _local_embed, LOCAL_MODEL)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
     memory = await new_memory(client, project, "merging")
     await applier.apply_batch([write(memory, EMAIL)])
     merge = write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
@@ -622,10 +622,6 @@ async def test_which_writes_may_wait_on_a_model(
     assert await may_wait(with_model, write(seed, "Another", write_policy=WritePolicy.ARBITRATE))
     unseen = await new_memory(client, project, "not decided here yet")
     assert await may_wait(with_model, write(unseen, "A first fact"))  # its policy is not known yet
-
-
-async def _local_embed(texts: Sequence[str]) -> list[list[float]]:
-    return await embed_texts(list(texts), model=LOCAL_MODEL)
 
 
 async def test_an_outage_met_by_one_write_stops_the_later_ones_and_what_was_decided_stands(
