@@ -73,7 +73,7 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
         "extractor (one durable consumer shared by all replicas)",
     ),
     "extractionCompleted": (
-        "generations.extraction.{project_id}",
+        f"{bus.EXTRACTION_COMPLETED_ROOT}.{{project_id}}",
         ExtractionCompleted,
         f"Stream {bus.GENERATIONS_STREAM}. The extraction summary of a generation, for the platform.",
         {"project_id": "the project"},

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import zlib
@@ -32,7 +31,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
-from shared.events import MemoryEntryChanged
+from shared.events import DeadLetter, MemoryEntryChanged, storable
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +42,7 @@ DEAD_LETTER_STREAM = "DEAD_LETTERS"
 GENERATIONS_STREAM = "GENERATIONS"
 GENERATION_COMPLETED_ROOT = "generations.completed"
 GENERATION_DELETED_ROOT = "generations.deleted"
+EXTRACTION_COMPLETED_ROOT = "generations.extraction"
 CONVERSATION_DELETED_ROOT = "conversations.deleted"
 EXTRACTOR_DURABLE = "extractor"
 WRITER_GENERATION_DELETIONS = "writer-generation-deletions"
@@ -79,6 +79,10 @@ def event_subject(project_id: str, kind: str) -> str:
 
 def generation_completed_subject(project_id: str) -> str:
     return f"{GENERATION_COMPLETED_ROOT}.{project_id}"
+
+
+def extraction_completed_subject(project_id: str) -> str:
+    return f"{EXTRACTION_COMPLETED_ROOT}.{project_id}"
 
 
 def generation_deleted_subject(project_id: str) -> str:
@@ -347,8 +351,9 @@ async def dead_letter(js: JetStreamContext, origin: str, subject: str, body: byt
     from shared import metrics  # here, not at the top: shared.metrics imports this module
 
     log.error("dead-lettering message from %s: %s", subject, reason, extra={"origin": origin})
-    envelope = {"origin_subject": subject, "reason": reason, "body": body.decode("utf-8", "replace")}
-    await js.publish(dead_letter_subject(origin), json.dumps(envelope).encode(), stream=DEAD_LETTER_STREAM)
+    # The reason may quote what came in (a lone surrogate, say); the body is bytes decoded, which cannot hold one.
+    letter = DeadLetter(origin_subject=subject, reason=storable(reason), body=body.decode("utf-8", "replace"))
+    await js.publish(dead_letter_subject(origin), letter.model_dump_json().encode(), stream=DEAD_LETTER_STREAM)
     metrics.observe_dead_letter(origin)
 
 
@@ -454,9 +459,13 @@ async def _keep_in_progress(messages: Sequence[Msg], every_s: float) -> None:
             log.warning("could not keep messages in progress: %s", str(failure) or type(failure).__name__)
 
 
+RETRY_DELAY_MAX_S = 30.0
+"""The longest pause between two attempts: a redelivery's delay, or a wait in place for an outage to end."""
+
+
 def retry_delay(backoff: float, delivered: int) -> float:
-    """Doubling from `backoff` with each delivery, at most 30 s."""
-    return min(backoff * 2 ** min(delivered, 10), 30.0)
+    """Twice `backoff` after the first delivery, doubling with each one, at most RETRY_DELAY_MAX_S."""
+    return min(backoff * 2 ** min(delivered, 10), RETRY_DELAY_MAX_S)
 
 
 async def announce_entry_change(js: JetStreamContext, change: MemoryEntryChanged, *, msg_id: str) -> None:

@@ -1,6 +1,7 @@
 """Reading and replaying the DEAD_LETTERS stream (`memories dlq list|replay`).
 
-A dead letter is the envelope `shared.bus.dead_letter` wrote: the original subject, the reason and the body.
+A dead letter is the envelope `shared.bus.dead_letter` wrote (`shared.events.DeadLetter`): the original subject,
+the reason and the body.
 Replaying republishes the body to its original subject, into the stream that owns that subject, then deletes
 the dead letter. Every consumer is idempotent by its event id, so replaying a message that was in fact
 processed has no second effect.
@@ -8,15 +9,16 @@ processed has no second effect.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from pydantic import ValidationError
 
 from shared import bus
+from shared.events import DeadLetter
 
 REPLAY_MSG_ID_PREFIX = "dlq-replay"
 """Replays carry `dlq-replay.<dead letter seq>` as Nats-Msg-Id: new to the duplicate window, which still
@@ -26,7 +28,7 @@ _GENERATION_ROOTS = ("generations.", "conversations.")  # the subjects of bus.GE
 
 
 @dataclass(frozen=True, slots=True)
-class DeadLetter:
+class StoredDeadLetter:
     sequence: int
     time: datetime | None
     origin: str
@@ -65,19 +67,18 @@ def _filter(origin: str | None) -> str:
     return bus.dead_letter_subject(origin) if origin else f"{bus.DEAD_LETTER_ROOT}.>"
 
 
-def _decode(sequence: int, subject: str, time: datetime | None, data: bytes | None) -> DeadLetter:
+def _decode(sequence: int, subject: str, time: datetime | None, data: bytes | None) -> StoredDeadLetter:
     origin = subject.removeprefix(f"{bus.DEAD_LETTER_ROOT}.")
     try:
-        envelope = json.loads(data or b"")
-        return DeadLetter(sequence, time, origin, str(envelope["origin_subject"]), str(envelope["reason"]),
-                          str(envelope["body"]))
-    except (ValueError, KeyError, TypeError):
+        letter = DeadLetter.model_validate_json(data or b"")
+    except ValidationError:
         # Not written by bus.dead_letter: shown, never replayed.
-        return DeadLetter(sequence, time, origin, "", "unreadable dead-letter envelope",
-                          (data or b"").decode("utf-8", "replace"))
+        return StoredDeadLetter(sequence, time, origin, "", "unreadable dead-letter envelope",
+                                (data or b"").decode("utf-8", "replace"))
+    return StoredDeadLetter(sequence, time, origin, letter.origin_subject, letter.reason, letter.body)
 
 
-async def get_dead_letter(js: JetStreamContext, sequence: int) -> DeadLetter | None:
+async def get_dead_letter(js: JetStreamContext, sequence: int) -> StoredDeadLetter | None:
     try:
         raw = await js.get_msg(bus.DEAD_LETTER_STREAM, seq=sequence)
     except NotFoundError:
@@ -87,9 +88,9 @@ async def get_dead_letter(js: JetStreamContext, sequence: int) -> DeadLetter | N
 
 async def list_dead_letters(
     js: JetStreamContext, *, origin: str | None = None, limit: int | None = None
-) -> list[DeadLetter]:
+) -> list[StoredDeadLetter]:
     """The oldest `limit` dead letters (all when None), optionally of one origin (`writer`, `extractor`)."""
-    found: list[DeadLetter] = []
+    found: list[StoredDeadLetter] = []
     sequence = 1
     while limit is None or len(found) < limit:
         try:
@@ -122,7 +123,7 @@ async def replay_all(js: JetStreamContext, *, origin: str | None = None) -> list
     return [await _replay_one(js, letter) for letter in letters]
 
 
-async def _replay_one(js: JetStreamContext, letter: DeadLetter) -> Replayed:
+async def _replay_one(js: JetStreamContext, letter: StoredDeadLetter) -> Replayed:
     stream = stream_of(letter.origin_subject)
     if stream is None:
         return Replayed(letter.sequence, letter.origin_subject, None, "no stream takes the original subject")

@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     memories_duplicate_window_s: float = Field(default=120.0, gt=0)
     memories_ack_wait_s: float = Field(default=30.0, gt=0)
     memories_max_deliver: int = Field(default=5, ge=1)
-    memories_retry_backoff_s: float = Field(default=1.0, gt=0, description="first redelivery delay; doubles")
+    memories_retry_backoff_s: float = Field(default=1.0, gt=0, description="a failed message is redelivered after twice this, then doubling (at most 30 s); an outage's first pause")
     memories_write_batch: int = Field(
         default=32, ge=1, le=512, description="queued writes of a partition a writer decides in one transaction"
     )

@@ -84,7 +84,7 @@ async def dlq_bus(
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def wait_for_letters(js: JetStreamContext, count: int, timeout: float = 15) -> list[dead_letters.DeadLetter]:
+async def wait_for_letters(js: JetStreamContext, count: int, timeout: float = 15) -> list[dead_letters.StoredDeadLetter]:
     deadline = time.monotonic() + timeout
     while len(letters := await dead_letters.list_dead_letters(js)) < count:
         assert time.monotonic() < deadline, f"{len(letters)} dead letters, expected {count}"

@@ -1,4 +1,4 @@
-"""The extractor: consumes `generation.completed` and turns each eligible turn into write events.
+"""The extractor: consumes `generations.completed.*` and turns each eligible turn into write events.
 
 Every replica binds to one shared durable consumer (queue semantics), so replicas split the load and a
 killed replica's event comes back after the ack wait. A fetched batch runs concurrently: the LLM call
@@ -128,7 +128,7 @@ class ExtractorService(ConsumerProcess):
                     raise
                 log.warning("extraction waits out an outage: %s", str(exc) or type(exc).__name__)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 30.0)
+            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
 
     async def _retry_or_give_up(self, message: NatsMessage, event: GenerationCompleted, reason: str) -> None:
         assert self._extractor is not None and self.nc is not None
@@ -157,7 +157,7 @@ class ExtractorService(ConsumerProcess):
         )
         try:
             await self.nc.jetstream().publish(
-                f"generations.extraction.{event.project_id}",
+                bus.extraction_completed_subject(event.project_id),
                 notice.model_dump_json().encode(),
                 stream=bus.GENERATIONS_STREAM,
             )

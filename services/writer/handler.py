@@ -106,7 +106,7 @@ class WriteHandler:
             log.warning("outage: the batch waits in place, in order (%s)", str(batch.failure) or "unreachable")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), pause)
-            pause = min(pause * 2, 30.0)
+            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
             batch = await self.prepare([message for message, _ in batch.events])
         return batch
 
@@ -191,7 +191,7 @@ class WriteHandler:
             log.warning("outage: the batch waits in place, in order (%s)", str(results[stopped[0]]) or "unreachable")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), pause)
-            pause = min(pause * 2, 30.0)
+            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
             for i, result in zip(stopped, await self._decide(batch.part(stopped), in_lane), strict=True):
                 results[i] = result
         return results
