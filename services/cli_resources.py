@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import math
 import sys
 import unicodedata
@@ -325,13 +324,7 @@ def report(error: MemoriesError) -> int:
     return 2 if isinstance(error, InvalidRequest) else 1
 
 
-def _quiet_http_logs() -> None:
-    # One INFO line per request from httpx would bury the command's own output.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def run_verb(args: argparse.Namespace) -> int:
-    _quiet_http_logs()
     url, token = connection(args)
     try:
         with MemoriesClient(url, token) as client:
@@ -345,7 +338,6 @@ def run_verb(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    _quiet_http_logs()
     try:
         data = Path(args.file).read_bytes()
         text = data.decode("utf-8-sig")  # a byte order mark, as some editors write, is not part of line 1

@@ -1,9 +1,10 @@
 """The write decision: one function over an incoming write and its candidates, no I/O.
 
 The caller (shared.writes) gathers the exact-hash match and the nearest valid entry inside the memory's
-lock, calls `decide`, and applies the result. The only step that may leave the process is the injected
-`consolidate` callable (an LLM merge on agent paths); whatever it does wrong falls back to `created`,
-so no write can lose a fact.
+lock, calls `decide`, and applies the result. The steps that may leave the process are injected callables: a
+merge by a model (`consolidate`, agent paths), arbitration by a model (`arbitrate`, arbitrated memories) and the
+check of a model's rewrite against the facts it rewrites (`relatedness`, an embedding). Whatever a model does
+wrong falls back to a rule that keeps the fact (`created`, or the guard's verdict), so no write can lose one.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ async def _seed_rule(
     incoming: IncomingWrite,
     nearest: Candidate | None,
     consolidate: Consolidate | None,
-    relatedness: Relatedness | None = None,
+    relatedness: Relatedness | None,
 ) -> Decision:
     if nearest is None:
         return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)

@@ -1,8 +1,9 @@
 """The event contract: every payload that crosses the bus, and nothing else.
 
-Events are frozen, reject unknown fields, and carry an id, a schema version and a timestamp.
-Fields are only ever added (with defaults). Readers reject fields they do not know, so the reader of an
-event is upgraded before its writer (docs/operations.md); a write event is published without its unset
+Events are frozen and carry an id, a schema version and a timestamp. Fields are only ever added (with defaults).
+The service's own events reject fields they do not know, so the reader of such an event is upgraded before its
+writer (docs/operations.md); the events agent platforms publish (`GenerationCompleted` and what it holds) ignore
+them, as a platform sends what it has; a write event is published without its unset
 optional fields (shared.write_gateway), so an added one reaches older readers only when it is used.
 `memories asyncapi` publishes this module as the AsyncAPI document in docs/asyncapi.json.
 """

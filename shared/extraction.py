@@ -184,10 +184,7 @@ class Extractor:
             done = await registry.get_extraction(session, event.project_id, event.generation_id)
         if done is not None and done.status in ("completed", "skipped"):
             # A redelivery after the outcome was stored: asking the model again could word facts differently.
-            summary = ExtractionSummary(
-                candidates=done.candidates, created=done.created, updated=done.updated,
-                skipped=done.skipped, failed=done.failed,
-            )
+            summary = ExtractionSummary.model_validate(done, from_attributes=True)
             return ExtractionResult(done.status, done.reason, summary, done.model)
         decision = gate(event)
         if not decision.run or decision.config is None:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from shared import metrics
 from shared.decision import Arbitration, Candidate, Operation
 from shared.events import AgentContext, storable
 from shared.metrics import Purpose
@@ -100,8 +101,6 @@ async def complete(
     messages: list[dict[str, str]], *, agent: AgentContext, timeout: float, purpose: str
 ) -> Completion:
     """One temperature-0 completion. Raises LlmError on any failure."""
-    from shared import metrics
-
     litellm = _litellm()
     # The provider key is named, never stored: the event carries the variable's name only.
     api_key = provider_key(agent.api_key_env)
@@ -116,19 +115,13 @@ async def complete(
                 api_key=api_key,
                 num_retries=0,
             )
-            call.record_usage(response)
+            prompt_tokens, completion_tokens = call.record_usage(response)
         text = response.choices[0].message.content or ""
     except Exception as exc:
         # litellm maps every provider's "slow down" (HTTP 429) onto its RateLimitError.
         error = RateLimited if isinstance(exc, litellm.RateLimitError) else LlmError
         raise error(f"{purpose} completion with {agent.model!r} failed: {describe_failure(exc, api_key)}") from exc
-    usage = getattr(response, "usage", None)
-    return Completion(
-        text=text,
-        model=agent.model,
-        prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
-        completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-    )
+    return Completion(text=text, model=agent.model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
 
 class ModelSteps:

@@ -64,7 +64,7 @@ class Purpose(StrEnum):
 
     WRITE = "write"  # embedding an incoming entry
     SEARCH = "search"  # embedding a query
-    MERGE = "merge"  # embedding or generating merged content
+    MERGE = "merge"  # generating merged content (a rewrite is embedded as a write)
     ARBITRATION = "arbitration"
     EXTRACTION = "extraction"
 
@@ -288,14 +288,14 @@ class LlmCall:
             if count > 0:
                 LLM_TOKENS.labels(self._model, self._purpose, kind.value).inc(count)
 
-    def record_usage(self, response: Any) -> None:
-        """Tokens from a litellm ModelResponse (or its dict form)."""
+    def record_usage(self, response: Any) -> tuple[int, int]:
+        """Tokens from a litellm ModelResponse (or its dict form), counted and returned: (prompt, completion)."""
         usage = _usage_of(response)
-        if usage is not None:
-            self.add_tokens(
-                prompt=_usage_field(usage, "prompt_tokens"),
-                completion=_usage_field(usage, "completion_tokens"),
-            )
+        if usage is None:
+            return 0, 0
+        prompt, completion = _usage_field(usage, "prompt_tokens"), _usage_field(usage, "completion_tokens")
+        self.add_tokens(prompt=prompt, completion=completion)
+        return prompt, completion
 
 
 @contextmanager

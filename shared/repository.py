@@ -1,4 +1,5 @@
-"""All SQL of the service. Functions take a session and never commit: the caller owns the transaction."""
+"""The SQL of memories, entries, writes and provenance (the registry's and search's own live in shared.registry and
+shared.search). Functions take a session and never commit: the caller owns the transaction."""
 
 from __future__ import annotations
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+from shared.litellm_loader import load_litellm
 
-import litellm
+litellm = load_litellm()  # before any other litellm import: it sets the offline cost map
+
 from litellm.llms.custom_llm import CustomLLM, CustomLLMError
 from litellm.types.utils import Choices, Message, ModelResponse, Usage
 

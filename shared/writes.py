@@ -5,9 +5,9 @@ one transaction the lock is taken, the write id's stored outcome is reused if it
 made and applied, and the outcome and its audit record are stored with it. A redelivered event therefore
 has one effect.
 
-A partition's queued events are applied as a batch (`apply_batch`): one query finds the exact copies, one
-model call embeds the rest, and one transaction decides them in order, so the serial part of a write is
-its lookup, decision and insert.
+A partition's queued events are applied as a batch (`prepare`, then `decide`, driven by the writer): one query
+finds the exact copies, one model call embeds the rest, and one transaction decides them in order, so the serial
+part of a write is its lookup, decision and insert. `apply` and `apply_batch` do both steps in one call.
 """
 
 from __future__ import annotations
@@ -148,12 +148,9 @@ class WriteApplier:
         while len(self._arbitrating) > _POLICIES_REMEMBERED:  # the least recently written is forgotten first
             self._arbitrating.popitem(last=False)
 
-    async def apply(self, event: MemoryWriteRequested, embedding: list[float] | None = None) -> AppliedWrite:
-        """Decide and apply one write. `embedding` may be precomputed by a batching caller."""
-        if embedding is None:
-            (prepared,) = await self.prepare([event])
-        else:
-            prepared = PreparedWrite(event, content_hash(event.content), embedding)
+    async def apply(self, event: MemoryWriteRequested) -> AppliedWrite:
+        """Decide and apply one write."""
+        (prepared,) = await self.prepare([event])
         if prepared.failed is not None:
             return prepared.failed
         applied = await self._apply_alone(prepared, wait_for_busy_memory=True)
@@ -247,7 +244,7 @@ class WriteApplier:
         ]
 
     async def _decide_batch(
-        self, session: AsyncSession, batch: Sequence[PreparedWrite], *, locked: bool = False
+        self, session: AsyncSession, batch: Sequence[PreparedWrite], *, locked: bool
     ) -> list[Decided]:
         if not batch:
             return []

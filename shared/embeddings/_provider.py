@@ -118,8 +118,6 @@ def register() -> None:
     with _register_lock:
         if _handler is None:
             _handler = LocalEmbeddingHandler()
-            # Otherwise every provider failure prints a "Give Feedback / Get Help" banner to stdout.
-            litellm.suppress_debug_info = True
             # Priced (at nothing) in litellm's cost map: an unknown model sends each call's cost lookup
             # through litellm's fallback name matching, ~0.5 ms of CPU per embedding call.
             litellm.register_model({f"{PROVIDER}/{name}": _FREE_EMBEDDING for name in MODELS})

@@ -148,13 +148,7 @@ async def extraction_status(
     record = await registry.get_extraction(session, project, generation_id)
     if record is None:
         raise not_found("generation", generation_id)
-    summary = ExtractionSummary(
-        candidates=record.candidates,
-        created=record.created,
-        updated=record.updated,
-        skipped=record.skipped,
-        failed=record.failed,
-    )
+    summary = ExtractionSummary.model_validate(record, from_attributes=True)
     return ExtractionStatus(
         generation_id=generation_id,
         status=record.status,
