@@ -50,9 +50,13 @@ REFUSED_FOR_NOW = frozenset(code for code, status in _ERROR_STATUS.items() if st
 """Failures that a retry of the same write may cure (a dependency was down); the others are for good."""
 
 
-class MemoryBusy(Exception):
-    """Another transaction holds the write's memory: the write is to be decided later, in its order, by a
-    caller that waits for the memory."""
+class Deferred(Exception):
+    """A write a transaction that waits for nothing left undecided: its memory was busy (another transaction held
+    it), or deciding it might have asked a model. It is to be decided later, in its order, by a caller that waits."""
+
+    def __init__(self, memory_id: str, why: str) -> None:
+        super().__init__(f"memory {memory_id}: {why}")
+        self.memory_id = memory_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,20 +157,22 @@ class WriteApplier:
         (prepared,) = await self.prepare([event])
         if prepared.failed is not None:
             return prepared.failed
-        applied = await self._apply_alone(prepared, wait_for_busy_memory=True)
+        applied = await self._apply_alone(prepared, defer_waits=False)
         assert isinstance(applied, AppliedWrite)
         return applied
 
-    async def _apply_alone(self, prepared: PreparedWrite, *, wait_for_busy_memory: bool) -> AppliedWrite | MemoryBusy:
-        """One write in its own transaction; unless `wait_for_busy_memory`, `MemoryBusy` if another holds its memory."""
+    async def _apply_alone(self, prepared: PreparedWrite, *, defer_waits: bool) -> AppliedWrite | Deferred:
+        """One write in its own transaction (`decide`'s `defer_waits`)."""
         memory_id = prepared.event.memory_id
         try:
             async with self._sessions.begin() as session:
-                if not wait_for_busy_memory and await repo.lock_memories_unless_busy(session, [memory_id]):
-                    return MemoryBusy(memory_id)
-                decided = await self._decide_batch(session, [prepared], locked=not wait_for_busy_memory)
-                await self._store(session, decided)
-                return decided[0].applied
+                if defer_waits and await repo.lock_memories_unless_busy(session, [memory_id]):
+                    return Deferred(memory_id, "busy")
+                (decided,) = await self._decide_batch(session, [prepared], defer_waits=defer_waits)
+                if isinstance(decided, Deferred):
+                    return decided
+                await self._store(session, [decided])
+                return decided.applied
         except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
             return await self.record_failure(prepared.event, "EMBEDDING_UNAVAILABLE", str(exc))
 
@@ -195,17 +201,18 @@ class WriteApplier:
         return prepared
 
     async def decide(
-        self, prepared: Sequence[PreparedWrite], *, wait_for_busy_memories: bool = True
+        self, prepared: Sequence[PreparedWrite], *, defer_waits: bool = False
     ) -> list[AppliedWrite | Exception]:
         """Decide prepared writes in their order, in one transaction.
 
         Each gets its result, or the exception that stopped it (the caller retries that one). When a write
         spoils the shared transaction, each is applied alone, so only that write fails and the others are
         not held back by it; an outage met on the way stops the others too (they get its exception), so that
-        what is decided is always a prefix, in order. Unless `wait_for_busy_memories`, the writes of a memory
-        that another transaction holds are left undecided (`MemoryBusy`): one memory holds up no other.
+        what is decided is always a prefix, in order. With `defer_waits`, a write that would wait, for a memory
+        another transaction holds or on a model, is left undecided (`Deferred`), and so are its memory's later
+        writes: one memory holds up no other.
         """
-        # One result per prepared write, in its place: the failure it came with, its decision, or its memory busy.
+        # One result per prepared write, in its place: the failure it came with, its decision, or its deferral.
         results: list[AppliedWrite | Exception | None] = [one.failed for one in prepared]
         ready = [i for i, one in enumerate(prepared) if one.failed is None]
         if not ready:
@@ -213,42 +220,44 @@ class WriteApplier:
         busy: set[str] = set()
         try:
             async with self._sessions.begin() as session:
-                if not wait_for_busy_memories:
+                if defer_waits:
                     busy = await repo.lock_memories_unless_busy(session, [prepared[i].event.memory_id for i in ready])
                 free = [i for i in ready if prepared[i].event.memory_id not in busy]
-                together = await self._decide_batch(session, [prepared[i] for i in free], locked=not wait_for_busy_memories)
-                await self._store(session, together)
+                together = await self._decide_batch(session, [prepared[i] for i in free], defer_waits=defer_waits)
+                await self._store(session, [one for one in together if isinstance(one, Decided)])
             for i, one in zip(free, together, strict=True):
-                results[i] = one.applied
+                results[i] = one if isinstance(one, Deferred) else one.applied
         except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
             outage: Exception | None = None
             for i in ready:
                 memory_id = prepared[i].event.memory_id
-                # Past an outage, none is tried, and past a busy memory none of its writes: a later write must not
-                # be decided before an earlier one.
+                # Past an outage, none is tried, and past a deferred write none of its memory's: a later write must
+                # not be decided before an earlier one.
                 if memory_id in busy:
-                    results[i] = MemoryBusy(memory_id)
+                    results[i] = Deferred(memory_id, "an earlier write of its memory was deferred")
                     continue
                 try:
-                    result = outage or await self._apply_alone(prepared[i], wait_for_busy_memory=wait_for_busy_memories)
+                    result = outage or await self._apply_alone(prepared[i], defer_waits=defer_waits)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller, which retries or dead-letters it
                     result = exc
-                if isinstance(result, MemoryBusy):
+                if isinstance(result, Deferred):
                     busy.add(memory_id)
                 elif outage is None and isinstance(result, Exception) and bus.is_outage(result):
                     outage = result
                 results[i] = result
         return [
-            MemoryBusy(one.event.memory_id) if result is None else result
+            Deferred(one.event.memory_id, "busy") if result is None else result
             for one, result in zip(prepared, results, strict=True)
         ]
 
     async def _decide_batch(
-        self, session: AsyncSession, batch: Sequence[PreparedWrite], *, locked: bool
-    ) -> list[Decided]:
+        self, session: AsyncSession, batch: Sequence[PreparedWrite], *, defer_waits: bool
+    ) -> list[Decided | Deferred]:
+        """The writes decided in order under their memories' locks; with `defer_waits` the caller took the locks,
+        and a write that might ask a model is deferred with its memory's later writes."""
         if not batch:
             return []
-        if not locked:
+        if not defer_waits:
             await repo.lock_memories(session, [one.event.memory_id for one in batch])
         batch = await _forget_forgotten(session, batch)
         events = [one.event for one in batch]
@@ -257,10 +266,14 @@ class WriteApplier:
         memories = await repo.load_memories(session, [event.memory_id for event in events])
         self._remember_policies(memories)
         copies = ExactCopies(await repo.find_exact_copies(session, [(one.event.memory_id, one.digest) for one in batch]))
-        decided: list[Decided] = []
+        decided: list[Decided | Deferred] = []
         earlier: dict[str, Decided] = {}
+        deferred: set[str] = set()
         for one in batch:
             event = one.event
+            if event.memory_id in deferred:
+                decided.append(Deferred(event.memory_id, "an earlier write of its memory was deferred"))
+                continue
             if event.write_id in earlier:  # the same write delivered twice in one batch: one effect
                 outcome = earlier[event.write_id].applied.outcome
                 decided.append(Decided(AppliedWrite(outcome, None, replayed=True)))
@@ -269,14 +282,17 @@ class WriteApplier:
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
                 result = await self._decide_locked(
                     session, event, one.digest, one.embedding, stored.get(event.write_id), memories.get(event.memory_id),
-                    copies,
+                    copies, models_allowed=not defer_waits,
                 )
-            earlier[event.write_id] = result
+            if isinstance(result, Deferred):
+                deferred.add(event.memory_id)
+            else:
+                earlier[event.write_id] = result
             decided.append(result)
         # The entries as the batch leaves them go with the outcomes, so a waiting caller need not read them back.
-        named = [one.applied.outcome.entry_id for one in decided if one.applied.outcome.error is None]
+        named = [one.applied.outcome.entry_id for one in decided if isinstance(one, Decided) and not one.applied.outcome.error]
         states = await repo.get_entry_states(session, [entry_id for entry_id in named if entry_id])
-        return [one.with_entry(states) for one in decided]
+        return [one.with_entry(states) if isinstance(one, Decided) else one for one in decided]
 
     async def _exact_copies(self, keys: Sequence[tuple[str, str]]) -> list[Candidate | None]:
         """The valid entry of each (memory id, content hash) pair, if it has one: those need no embedding."""
@@ -315,8 +331,13 @@ class WriteApplier:
         stored: StoredOutcome | None,
         memory: Row[Any] | None,
         copies: ExactCopies,
-    ) -> Decided:
-        """Decide one write and carry it out; the caller holds the memory's lock and stores the records."""
+        *,
+        models_allowed: bool,
+    ) -> Decided | Deferred:
+        """Decide one write and carry it out; the caller holds the memory's lock and stores the records. Unless
+        `models_allowed`, a write whose decision might ask a model is deferred instead (the writer routes those to
+        a transaction of their own, but from what it saw before the lock: a memory's policy changed since, an
+        exact copy gone)."""
         if stored is not None and stored.status == "applied":
             return Decided(AppliedWrite(outcome_of(stored), None, replayed=True))
 
@@ -330,6 +351,9 @@ class WriteApplier:
 
         policy = event.write_policy or WritePolicy(memory.write_policy)
         exact = copies.get(event.memory_id, digest)
+        merge, arbitration = self._steps(event, policy)
+        if exact is None and not models_allowed and (merge or arbitration):
+            return Deferred(event.memory_id, "its decision may ask a model")
         nearest: list[Candidate] = []
         if exact is None:
             if embedding is None:
@@ -337,7 +361,6 @@ class WriteApplier:
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
             nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
         vectors = {event.content: embedding} if embedding is not None else {}
-        merge, arbitration = self._steps(event, policy)
         decision = await decide(
             IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
             exact_match=exact,

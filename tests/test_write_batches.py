@@ -32,7 +32,7 @@ from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
 from shared.settings import Settings
-from shared.writes import AppliedWrite, Decided, MemoryBusy, PreparedWrite, WriteApplier
+from shared.writes import AppliedWrite, Deferred, PreparedWrite, WriteApplier
 from tests.conftest import local_embed, wait_until_blocked_by
 from tests.test_agent_paths import EMAIL, EMAIL_DETAIL
 
@@ -215,8 +215,8 @@ async def test_a_write_that_spoils_the_batch_fails_alone(
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     class Spoiling(WriteApplier):
-        async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any) -> Decided:
-            decided = await super()._decide_locked(session, event, *args)
+        async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any, **kw: Any) -> Any:
+            decided = await super()._decide_locked(session, event, *args, **kw)
             if event.content == "poison":
                 raise RuntimeError("this write breaks its transaction")
             return decided
@@ -528,24 +528,52 @@ async def test_a_memory_held_once_the_shared_transaction_is_spoilt_is_left_to_wa
     async with sessions() as holder:
 
         class SpoiltThenHeld(WriteApplier):
-            async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any) -> Decided:
+            async def _decide_locked(self, session: AsyncSession, event: MemoryWriteRequested, *args: Any, **kw: Any) -> Any:
                 if event.content == "poison":
                     raise RuntimeError("this write breaks its transaction")
-                return await super()._decide_locked(session, event, *args)
+                return await super()._decide_locked(session, event, *args, **kw)
 
-            async def _apply_alone(self, prepared: PreparedWrite, *, wait_for_busy_memory: bool) -> Any:
+            async def _apply_alone(self, prepared: PreparedWrite, *, defer_waits: bool) -> Any:
                 if prepared.event.write_id == first.write_id:  # taken just before, let go just after
                     async with holder.begin():
                         await repo.lock_memory(holder, busy["id"])
-                        return await super()._apply_alone(prepared, wait_for_busy_memory=wait_for_busy_memory)
-                return await super()._apply_alone(prepared, wait_for_busy_memory=wait_for_busy_memory)
+                        return await super()._apply_alone(prepared, defer_waits=defer_waits)
+                return await super()._apply_alone(prepared, defer_waits=defer_waits)
 
         applier = SpoiltThenHeld(sessions, CountingEmbedder(), "counting")
         batch = [write(other, "Carol drives"), write(other, "poison"), first, then]
-        results = await asyncio.wait_for(applier.decide(await applier.prepare(batch), wait_for_busy_memories=False), 10)
+        results = await asyncio.wait_for(applier.decide(await applier.prepare(batch), defer_waits=True), 10)
     assert actions(results[:1]) == ["created"] and isinstance(results[1], RuntimeError)
-    assert isinstance(results[2], MemoryBusy) and isinstance(results[3], MemoryBusy)
+    assert isinstance(results[2], Deferred) and isinstance(results[3], Deferred)
     assert await valid_contents(sessions, busy["id"]) == []
+
+
+async def test_a_write_routed_by_a_policy_changed_since_asks_no_model_in_the_shared_transaction(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The writer routes a write by its memory's policy as it last saw it: a memory made arbitrated since would have
+    # its write arbitrated inside the transaction every partition shares, every partition waiting for the model.
+    model = HeldModel(monkeypatch, "arbitrate")
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
+    changed, other = await new_memory(client, project, "changed"), await new_memory(client, project, "other")
+    await applier.apply_batch([write(changed, "Ada prefers tea"), write(other, "Bob walks")])  # remembered: seed
+    await client.put(f"/memories/{changed['id']}", json={"write_policy": "arbitrate"})
+    arbitrated, later = write(changed, "Ada prefers green tea"), write(changed, "Ada's desk is by the window")
+    quick = write(other, "Bob rides a bike")
+    prepared = await applier.prepare([arbitrated, quick, later])
+    assert not any(applier.may_wait_on_a_model(one) for one in prepared)  # as the writer saw it
+    results = await asyncio.wait_for(applier.decide(prepared, defer_waits=True), 10)
+    assert isinstance(results[0], Deferred) and isinstance(results[2], Deferred) and actions(results[1:2]) == ["created"]
+    assert model.asked == []
+    async with own_partition(settings, sessions, applier) as partition:  # as the writer does then: aside, asking
+        await partition.publish(arbitrated, later)
+        await partition.start()
+        await model.until_asked(1)
+        model.release.set()
+        await partition.until_decided(arbitrated, later)
+    assert await valid_contents(sessions, changed["id"]) == ["Ada prefers tea", "Ada prefers green tea",
+                                                             "Ada's desk is by the window"]
 
 
 async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_behind_one_waiting_for_its_turn(
@@ -575,28 +603,36 @@ async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_be
     assert await valid_contents(sessions, second["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
-async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_they_come_back(
+async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_hands_them_back_in_order(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A model call may take 30 s, longer than a stop's budget: the lane is cancelled, its transaction rolled back,
-    # and its writes, not acknowledged, are redelivered (here to the same consumer, after a short ack wait).
+    # A model call may take 30 s, longer than a stop's budget: the lanes are cancelled, their transactions rolled
+    # back, and their writes handed back at once, in order. Left to the ack wait (30 s here), they would come back
+    # after writes published meanwhile, and the next writer would decide those first.
     model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
     memory = await new_memory(client, project, "merging")
     await applier.apply_batch([write(memory, EMAIL)])
     merge = write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
+    later = write(memory, "Customer's desk is by the window")
     set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
-    async with own_partition(settings, sessions, applier, ack_wait_s=1.0) as partition:
+    async with own_partition(settings, sessions, applier) as partition:
         await partition.publish(merge)
         await partition.start()
         await model.until_asked(1)
+        await partition.publish(later)  # in a second lane, behind the first
+        for _ in range(100):
+            if metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before + 2:
+                break
+            await asyncio.sleep(0.05)
         await partition.handler.finish_lanes(timeout=0.2)
         assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
-        assert not await partition.decided(merge)
+        assert not await partition.decided(merge) and not await partition.decided(later)
         model.release.set()
-        await partition.until_decided(merge)
+        await partition.until_decided(merge, later)  # within 10 s: handed back, not left to the ack wait
         assert len(model.asked) == 2  # asked again on its redelivery
+    assert await valid_contents(sessions, memory["id"]) == [EMAIL, EMAIL_DETAIL, "Customer's desk is by the window"]
 
 
 async def test_which_writes_may_wait_on_a_model(

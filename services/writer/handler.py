@@ -32,7 +32,7 @@ from shared.events import MemoryEntryChanged, MemoryWriteOutcome, MemoryWriteReq
 from shared.ids import new_id
 from shared.logs import log_context
 from shared.settings import Settings
-from shared.writes import AppliedWrite, MemoryBusy, PreparedWrite, WriteApplier
+from shared.writes import AppliedWrite, Deferred, PreparedWrite, WriteApplier
 
 log = logging.getLogger("memories.writer")
 
@@ -57,9 +57,9 @@ class WriteHandler:
         connection while its model answers)."""
         self._applier = applier
         # Partitions whose batches are prepared while a transaction runs share the next one.
-        # A memory another transaction holds is not waited for there: its writes are set aside instead.
+        # Nothing is waited for there (a memory another transaction holds, a model): such writes are set aside.
         self._decide_together = Coalescer(
-            partial(applier.decide, wait_for_busy_memories=False), max_batch=settings.memories_write_batch
+            partial(applier.decide, defer_waits=True), max_batch=settings.memories_write_batch
         )
         self._nc = nc
         self._js = nc.jetstream()
@@ -68,6 +68,7 @@ class WriteHandler:
         self._ack_wait_s = settings.memories_ack_wait_s
         self._stop = asyncio.Event()
         self._lanes: dict[str, asyncio.Task[None]] = {}  # memory id → the last of its set-aside writes' tasks
+        self._set_aside_messages: dict[asyncio.Task[None], list[Msg]] = {}  # every lane not finished, and its writes
         self._lane_slots = asyncio.Semaphore(model_lanes)
 
     async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
@@ -117,11 +118,14 @@ class WriteHandler:
         for i in indices:
             lanes.setdefault(batch.events[i][1].memory_id, []).append(i)
         for memory_id, own in lanes.items():
-            lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), batch.part(own)))
+            writes = batch.part(own)
+            lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), writes))
             self._lanes[memory_id] = lane
+            self._set_aside_messages[lane] = [message for message, _ in writes.events]
             lane.add_done_callback(partial(self._close_lane, memory_id))
 
     def _close_lane(self, memory_id: str, lane: asyncio.Task[None]) -> None:
+        self._set_aside_messages.pop(lane, None)
         if self._lanes.get(memory_id) is lane:  # no later writes of the memory set aside behind it
             del self._lanes[memory_id]
 
@@ -140,28 +144,31 @@ class WriteHandler:
 
     async def finish_lanes(self, timeout: float) -> None:
         """On stopping: the set-aside writes are decided within `timeout`, or cancelled (their transactions roll
-        back); those not decided are redelivered."""
+        back) and handed back at once, in the order they were published: left to the ack wait, they would come back
+        after writes published later (MEMORIES_ACK_WAIT_S), which the next writer would decide first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while pending := {lane for lane in self._lanes.values() if not lane.done()}:
+        while pending := {lane for lane in self._set_aside_messages if not lane.done()}:
             left = deadline - loop.time()
             if left <= 0:
+                undecided = [m for lane in pending for m in self._set_aside_messages[lane]]
                 for lane in pending:
                     lane.cancel()
                 await asyncio.wait(pending)
+                await _hand_back([message for message in undecided if not message.is_acked])
                 return
             await asyncio.wait(pending, timeout=left)
 
     async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> None:
         """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
-        decision waits for its memory; elsewhere the writes of a memory another transaction holds are set aside."""
+        decision may wait for its memory and a model; elsewhere the writes that would wait are set aside (`Deferred`)."""
         if not batch.events:
             return
         results = await self._decide_through_outages(batch, in_lane=in_lane)
-        self._set_aside(batch, [i for i, result in enumerate(results) if isinstance(result, MemoryBusy)])
+        self._set_aside(batch, [i for i, result in enumerate(results) if isinstance(result, Deferred)])
         announcements = []
         for (message, event), result in zip(batch.events, results, strict=True):
-            if isinstance(result, MemoryBusy):
+            if isinstance(result, Deferred):
                 continue
             # Every line logged while this write is handled, here or in shared code, names it (a task
             # created in this context keeps it).
@@ -202,8 +209,8 @@ class WriteHandler:
 
     async def _decide(self, batch: PreparedBatch, in_lane: bool) -> list[AppliedWrite | Exception]:
         """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps).
-        Partitions' batches share one transaction at a time, which waits for no memory (a busy one's writes get
-        `MemoryBusy`); a lane's writes have their own, which waits for the memory."""
+        Partitions' batches share one transaction at a time, which waits for nothing (a write that would wait for its
+        memory or a model gets `Deferred`); a lane's writes have their own, which waits for both."""
         if batch.failure is not None:
             return [batch.failure] * len(batch.events)
         try:
@@ -317,6 +324,14 @@ def _count(event: MemoryWriteRequested, applied: AppliedWrite) -> None:
         metrics.observe_write_failure(outcome.error.code)
     elif outcome.action is not None:
         metrics.observe_write_decision(outcome.action.value, event.source_type.value, event.occurred_at)
+
+
+async def _hand_back(messages: Sequence[Msg]) -> None:
+    for message in sorted(messages, key=lambda m: m.metadata.sequence.stream if m.metadata else 0):
+        try:
+            await message.nak()
+        except nats.errors.Error as exc:  # the bus is gone too: the ack wait hands it back
+            log.warning("could not hand a set-aside write back: %s", exc)
 
 
 def _payload_of(body: bytes) -> dict[str, Any]:
