@@ -6,13 +6,17 @@ the batches still finished in order."""
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import nats
+import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from services.writer import partitions
 from services.writer.partitions import PartitionConsumer
 from shared import bus
 from shared.settings import Settings
@@ -154,6 +158,48 @@ async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: 
         assert message.data == b"late" and message.metadata.num_delivered == 2
         await message.ack()
         await successor.unsubscribe()
+    finally:
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
+
+
+async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch_deadline(
+    settings: Settings, writers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a fetch times out, the server's answer to its expired request may arrive after the next fetch began:
+    # nats-py took it for the answer to its new request and fell back to one that waits for a whole batch, so a
+    # lone write waited for that fetch's deadline (up to 5 s in production; here a 0.3 s fetch, 5% of writes).
+    monkeypatch.setattr(partitions, "FETCH_WAIT_S", 0.3)
+    partition = settings.memories_partitions + 10  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=8)
+    published: dict[bytes, float] = {}
+    waited: list[float] = []
+
+    async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
+        return messages
+
+    async def finish(messages: Sequence[Msg]) -> None:
+        for message in messages:
+            waited.append(time.monotonic() - published[message.data])
+            await message.ack()
+
+    gaps = random.Random(7)
+    try:
+        consumer = PartitionConsumer(js, partition, prepare, finish, batch=8, ack_wait_s=30.0)
+        consumer.start()
+        for i in range(60):
+            await asyncio.sleep(gaps.uniform(0.05, 0.45))  # across fetch timeouts, at every point of one
+            published[str(i).encode()] = time.monotonic()
+            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_idle", str(i).encode(), stream=bus.WRITES_STREAM)
+        for _ in range(100):
+            if len(waited) == 60:
+                break
+            await asyncio.sleep(0.02)
+        await consumer.stop(timeout=10)
+        assert len(waited) == 60
+        assert [round(w, 3) for w in waited if w > 0.15] == []  # a lone write takes milliseconds
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()

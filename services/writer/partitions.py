@@ -32,6 +32,13 @@ Prepared = TypeVar("Prepared")
 FETCH_WAIT_S = 5.0
 """How long one fetch waits on an idle partition before it asks again."""
 
+STALE_ANSWER_WAIT_S = 0.02
+"""How long the next fetch waits after one timed out. The server's answer to the expired pull request (a 408
+status) may still be on its way; nats-py's next fetch would take it for the answer to its own first request and
+fall back to a request that waits for a whole batch, holding a lone write until its deadline (up to FETCH_WAIT_S:
+measured, 5 to 7 of 150 lone messages held with a 0.3 s fetch, none with this pause). Arrived meanwhile, the stale
+answer is discarded."""
+
 
 class PartitionConsumer(Generic[Prepared]):
     def __init__(
@@ -93,6 +100,7 @@ class PartitionConsumer(Generic[Prepared]):
                     )
                 messages = await self._subscription.fetch(batch=self._batch, timeout=FETCH_WAIT_S)
             except TimeoutError:
+                await asyncio.sleep(STALE_ANSWER_WAIT_S)
                 continue
             except nats.errors.Error as exc:  # reconnecting, or the stream's leader is being elected
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
