@@ -26,6 +26,7 @@ from services.writer.partitions import PartitionConsumer
 from shared import bus, metrics
 from shared import repository as repo
 from shared import writes as writes_module
+from shared.batching import Coalescer
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.embeddings import LOCAL_MODEL
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
@@ -160,6 +161,27 @@ async def test_partitions_preparing_together_look_their_copies_up_in_one_query(
     assert len(lookups) == 1
     # Each partition still gets its own answer: only the stored copies go without an embedding.
     assert [[one.embedding is None for one in batch] for batch in prepared] == [[True, False], [True], [False]]
+
+
+async def test_coalesced_calls_never_split_a_callers_items() -> None:
+    # A partition's writes split over two decisions would have the later ones decided in a call of their own,
+    # maybe before an earlier one the first call deferred (its memory busy) or an outage stopped.
+    calls: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def call_batch(items: list[str]) -> list[str]:
+        calls.append(items)
+        await release.wait()
+        return [item.upper() for item in items]
+
+    coalesced = Coalescer(call_batch, max_batch=4)
+    first = asyncio.create_task(coalesced(["a"]))  # in the first call; the others queue up behind it
+    await asyncio.sleep(0)
+    queued = [asyncio.create_task(coalesced(items)) for items in (["b", "c"], ["d", "e", "f"], ["g"], list("hijkl"))]
+    await asyncio.sleep(0)
+    release.set()
+    assert [await task for task in (first, *queued)] == [["A"], ["B", "C"], ["D", "E", "F"], ["G"], list("HIJKL")]
+    assert calls == [["a"], ["b", "c"], ["d", "e", "f", "g"], list("hijkl")]  # whole callers, at most 4 unless one is more
 
 
 async def test_each_outcome_carries_its_entry_as_the_batch_left_it(
