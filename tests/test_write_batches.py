@@ -10,6 +10,7 @@ import zlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -740,6 +741,33 @@ async def test_stopping_the_writer_ends_the_wait_for_an_outage_at_once(
     finally:
         await nc.close()
     assert isinstance(results[0], OperationalError)
+
+
+async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_own_delay(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # Stopped by an outage as the writer stops, two writes of one memory delivered a different number of times
+    # would come back after different delays, the later one first.
+    class Delivered:
+        def __init__(self, times: int) -> None:
+            self.metadata = SimpleNamespace(num_delivered=times)
+            self.delays: list[float | None] = []
+
+        async def nak(self, delay: float | None = None) -> None:
+            self.delays.append(delay)
+
+    memory = await new_memory(client, project, "stopping")
+    outage = OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(WriteApplier(sessions, CountingEmbedder(), "counting"), nc, settings)
+        running, stopping = Delivered(3), Delivered(3)
+        await handler._retry_or_give_up(running, write(memory, "First"), outage)  # type: ignore[arg-type]
+        handler.stop()
+        await handler._retry_or_give_up(stopping, write(memory, "First"), outage)  # type: ignore[arg-type]
+    finally:
+        await nc.close()
+    assert running.delays == [bus.retry_delay(settings.memories_retry_backoff_s, 3)] and stopping.delays == [None]
 
 
 async def test_the_policies_remembered_are_bounded_the_least_recently_written_forgotten_first(

@@ -261,7 +261,9 @@ class WriteHandler:
         delivered = message.metadata.num_delivered if message.metadata else 1
         if bus.is_outage(exc) or delivered < self._max_deliver:
             log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
-            await message.nak(delay=bus.retry_delay(self._backoff, delivered))
+            # A stopping writer hands writes back at once, in the order it meets them, as it does those set aside: a
+            # delay grown with each one's own deliveries would bring a memory's writes back out of order.
+            await message.nak(delay=None if self._stop.is_set() else bus.retry_delay(self._backoff, delivered))
             return
         log.error("write failed, giving up", extra={"attempt": delivered}, exc_info=exc)
         await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
