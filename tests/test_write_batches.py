@@ -346,6 +346,15 @@ def test_the_audit_names_the_model_of_whichever_step_asked_it(rule: str, prompt_
     assert (record.model, record.prompt_version) == (("scripted/m" if prompt_version else None), prompt_version)
 
 
+async def holding_email(
+    client: httpx.AsyncClient, project: dict[str, Any], applier: WriteApplier, *names: str
+) -> list[dict[str, Any]]:
+    """New memories, each holding EMAIL: an agent's EMAIL_DETAIL to one asks its model for a merge."""
+    memories = [await new_memory(client, project, name) for name in names]
+    await applier.apply_batch([write(memory, EMAIL) for memory in memories])
+    return memories
+
+
 class HeldModel:
     """Every merge (or arbitration) a model is asked for waits until released, then fails; `asked` counts them."""
 
@@ -444,8 +453,7 @@ async def test_a_write_waiting_on_a_model_holds_up_its_own_memorys_writes_only(
     # not hold their writes, in its batch or in the batches after it; its own memory's later writes wait for it.
     model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
-    merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
-    await applier.apply_batch([write(merging, EMAIL)])
+    (merging,), neighbour = await holding_email(client, project, applier, "merging"), await new_memory(client, project, "n")
     merge = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
     later, neighbours = write(merging, "Customer's desk is by the window"), write(neighbour, "Bob rides a bike")
     next_neighbours = write(neighbour, "Bob commutes by train in winter")
@@ -527,8 +535,7 @@ async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_w
             raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
         return await prepare(events)
 
-    merging, neighbour = await new_memory(client, project, "merging"), await new_memory(client, project, "neighbour")
-    await applier.apply_batch([write(merging, EMAIL)])
+    (merging,), neighbour = await holding_email(client, project, applier, "merging"), await new_memory(client, project, "n")
     monkeypatch.setattr(applier, "prepare", down_at_first)
     merge, neighbours = write(merging, EMAIL_DETAIL, agent=AgentContext(model="scripted/held")), write(neighbour, "Bob")
     async with own_partition(settings.model_copy(update={"memories_retry_backoff_s": 0.1}), sessions, applier) as partition:
@@ -608,8 +615,7 @@ async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_be
     # model, must still wait behind it rather than be decided at once.
     model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
-    first, second = await new_memory(client, project, "first"), await new_memory(client, project, "second")
-    await applier.apply_batch([write(first, EMAIL), write(second, EMAIL)])
+    first, second = await holding_email(client, project, applier, "first", "second")
     agent = AgentContext(model="scripted/held")
     merges = [write(first, EMAIL_DETAIL, agent=agent), write(second, EMAIL_DETAIL, agent=agent)]
     later = write(second, "Customer's desk is by the window")
@@ -635,8 +641,7 @@ async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_hands_
     # after writes published meanwhile, and the next writer would decide those first.
     model = HeldModel(monkeypatch)
     applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
-    memory = await new_memory(client, project, "merging")
-    await applier.apply_batch([write(memory, EMAIL)])
+    (memory,) = await holding_email(client, project, applier, "merging")
     merge = write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/held"))
     later = write(memory, "Customer's desk is by the window")
     set_aside_before = metrics.REGISTRY.get_sample_value("memories_writes_set_aside")
