@@ -263,8 +263,8 @@ def model_label(model: str) -> str:
 class EmbeddingCall:
     """The handle `track_embedding` yields: report what the provider counted."""
 
-    def __init__(self, model: str, purpose: str) -> None:
-        self._tokens = EMBEDDING_TOKENS.labels(model_label(model), purpose)
+    def __init__(self, label: str, purpose: str) -> None:
+        self._tokens = EMBEDDING_TOKENS.labels(label, purpose)
 
     def add_tokens(self, count: int) -> None:
         if count > 0:
@@ -280,8 +280,8 @@ class EmbeddingCall:
 class LlmCall:
     """The handle `track_llm` yields: report what the provider counted."""
 
-    def __init__(self, model: str, purpose: str) -> None:
-        self._model, self._purpose = model_label(model), purpose
+    def __init__(self, label: str, purpose: str) -> None:
+        self._model, self._purpose = label, purpose
 
     def add_tokens(self, *, prompt: int = 0, completion: int = 0) -> None:
         for kind, count in ((TokenKind.PROMPT, prompt), (TokenKind.COMPLETION, completion)):
@@ -306,7 +306,7 @@ def track_embedding(model: str, purpose: str) -> Iterator[EmbeddingCall]:
     """
     started, label = time.perf_counter(), model_label(model)
     try:
-        yield EmbeddingCall(model, purpose)
+        yield EmbeddingCall(label, purpose)
     except Exception:
         EMBEDDING_ERRORS.labels(label, purpose).inc()
         raise
@@ -319,7 +319,7 @@ def track_llm(model: str, purpose: str) -> Iterator[LlmCall]:
     """Like `track_embedding`, for generative calls (merge, arbitration, extraction)."""
     started, label = time.perf_counter(), model_label(model)
     try:
-        yield LlmCall(model, purpose)
+        yield LlmCall(label, purpose)
     except Exception:
         LLM_ERRORS.labels(label, purpose).inc()
         raise

@@ -216,11 +216,11 @@ async def lock_memories_unless_busy(session: AsyncSession, memory_ids: Iterable[
     return set(rows.scalars())
 
 
-_TRY_LOCK_KEYS = text(
-    "SELECT key FROM unnest(CAST(:keys AS text[])) AS key WHERE NOT pg_try_advisory_xact_lock(hashtextextended(key, 0))"
-)
+_LOCK_KEY = "hashtextextended(key, 0)"  # a text key's advisory lock, the same for every way of taking it
+_KEYS = "unnest(CAST(:keys AS text[])) AS key"
+_TRY_LOCK_KEYS = text(f"SELECT key FROM {_KEYS} WHERE NOT pg_try_advisory_xact_lock({_LOCK_KEY})")
 _LOCK_KEYS = {
-    shared: text(f"SELECT {function}(hashtextextended(key, 0)) FROM unnest(CAST(:keys AS text[])) AS key")
+    shared: text(f"SELECT {function}({_LOCK_KEY}) FROM {_KEYS}")
     for shared, function in ((False, "pg_advisory_xact_lock"), (True, "pg_advisory_xact_lock_shared"))
 }
 

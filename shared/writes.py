@@ -137,13 +137,8 @@ class WriteApplier:
         event = prepared.event
         if prepared.embedding is None:  # an exact copy (skipped without asking), or a write failed already
             return False
-        if event.agent is not None:
-            return True
-        if self._default_agent is None:  # no model to ask
-            return False
-        if event.write_policy is not None:
-            return event.write_policy is WritePolicy.ARBITRATE
-        return self._arbitrating.get(event.memory_id, True)
+        remembered = WritePolicy.ARBITRATE if self._arbitrating.get(event.memory_id, True) else WritePolicy.SEED
+        return any(self._steps(event, event.write_policy or remembered))
 
     def _remember_policies(self, memories: dict[str, Any]) -> None:
         for memory_id, memory in memories.items():

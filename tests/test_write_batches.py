@@ -711,7 +711,7 @@ async def test_an_outage_met_by_one_write_stops_the_later_ones_and_what_was_deci
     outcomes = iter(["down", "up", "down"])  # shared fails; the first alone commits; the second alone meets it
     nc = await nats.connect(settings.nats_url)
     try:
-        handler = WriteHandler(applier, nc, settings)
+        handler = WriteHandler(applier, nc, settings, model_lanes=1)
         prepared = await applier.prepare(writes)
         results = await handler._decide_through_outages(PreparedBatch([(None, w) for w in writes], prepared))  # type: ignore[misc]
     finally:
@@ -735,7 +735,7 @@ async def test_stopping_the_writer_ends_the_wait_for_an_outage_at_once(
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
     nc = await nats.connect(settings.nats_url)
     try:
-        handler = WriteHandler(applier, nc, settings.model_copy(update={"memories_retry_backoff_s": 60.0}))
+        handler = WriteHandler(applier, nc, settings.model_copy(update={"memories_retry_backoff_s": 60.0}), model_lanes=1)
         writes = [write(memory, "Waiting for the database")]
         waiting = asyncio.create_task(
             handler._decide_through_outages(PreparedBatch([(None, w) for w in writes], await applier.prepare(writes)))  # type: ignore[misc]
@@ -765,7 +765,7 @@ async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_ow
     outage = OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
     nc = await nats.connect(settings.nats_url)
     try:
-        handler = WriteHandler(WriteApplier(sessions, CountingEmbedder(), "counting"), nc, settings)
+        handler = WriteHandler(WriteApplier(sessions, CountingEmbedder(), "counting"), nc, settings, model_lanes=1)
         running, stopping = Delivered(3), Delivered(3)
         await handler._retry_or_give_up(running, write(memory, "First"), outage)  # type: ignore[arg-type]
         handler.stop()

@@ -52,7 +52,7 @@ class PreparedBatch:
 
 
 class WriteHandler:
-    def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings, *, model_lanes: int = 16) -> None:
+    def __init__(self, applier: WriteApplier, nc: NatsClient, settings: Settings, *, model_lanes: int) -> None:
         """`model_lanes`: how many memories' set-aside writes are decided at once (each holds a database
         connection while its model answers)."""
         self._applier = applier
@@ -104,12 +104,16 @@ class WriteHandler:
         decisions are (`_decide_through_outages`): which of its writes may wait on a model is known only then."""
         pause = self._backoff
         while batch.failure is not None and bus.is_outage(batch.failure) and not self._stop.is_set():
-            log.warning("outage: the batch waits in place, in order (%s)", str(batch.failure) or "unreachable")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), pause)
-            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
+            pause = await self._wait_out(batch.failure, pause)
             batch = await self.prepare([message for message, _ in batch.events])
         return batch
+
+    async def _wait_out(self, outage: Exception, pause: float) -> float:
+        """One pause of a wait in place for an outage to end (cut short by a stop); the next pause."""
+        log.warning("outage: the batch waits in place, in order (%s)", str(outage) or "unreachable")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), pause)
+        return min(pause * 2, bus.RETRY_DELAY_MAX_S)
 
     def _set_aside(self, batch: PreparedBatch, indices: Sequence[int]) -> None:
         """The writes at `indices`, each memory's in a lane after the writes it has set aside already: decided
@@ -119,9 +123,10 @@ class WriteHandler:
             lanes.setdefault(batch.events[i][1].memory_id, []).append(i)
         for memory_id, own in lanes.items():
             writes = batch.part(own)
-            lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), writes))
+            messages = [message for message, _ in writes.events]
+            lane = asyncio.create_task(self._decide_in_lane(self._lanes.get(memory_id), writes, messages))
             self._lanes[memory_id] = lane
-            self._set_aside_messages[lane] = [message for message, _ in writes.events]
+            self._set_aside_messages[lane] = messages
             lane.add_done_callback(partial(self._close_lane, memory_id))
 
     def _close_lane(self, memory_id: str, lane: asyncio.Task[None]) -> None:
@@ -129,10 +134,12 @@ class WriteHandler:
         if self._lanes.get(memory_id) is lane:  # no later writes of the memory set aside behind it
             del self._lanes[memory_id]
 
-    async def _decide_in_lane(self, before: asyncio.Task[None] | None, writes: PreparedBatch) -> None:
+    async def _decide_in_lane(
+        self, before: asyncio.Task[None] | None, writes: PreparedBatch, messages: list[Msg]
+    ) -> None:
         metrics.WRITES_SET_ASIDE.inc(len(writes.events))
         try:
-            async with bus.kept_in_progress([message for message, _ in writes.events], self._ack_wait_s):
+            async with bus.kept_in_progress(messages, self._ack_wait_s):
                 if before is not None:
                     await asyncio.wait({before})
                 async with self._lane_slots:
@@ -195,10 +202,7 @@ class WriteHandler:
             stopped = [i for i, result in enumerate(results) if isinstance(result, Exception) and bus.is_outage(result)]
             if not stopped:
                 break
-            log.warning("outage: the batch waits in place, in order (%s)", str(results[stopped[0]]) or "unreachable")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), pause)
-            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
+            pause = await self._wait_out(results[stopped[0]], pause)
             for i, result in zip(stopped, await self._decide(batch.part(stopped), in_lane), strict=True):
                 results[i] = result
         return results
