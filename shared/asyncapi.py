@@ -43,7 +43,10 @@ CHANNELS: dict[str, tuple[str, type[BaseModel], str, dict[str, str], str, str]] 
         ),
         {"partition": "crc32(memory_id) mod MEMORIES_PARTITIONS", "memory_id": "the target memory"},
         "receive",
-        "writer (one durable pull consumer per partition, max_ack_pending two batches)",
+        (
+            "writer (one durable pull consumer per partition, max_ack_pending two batches, pinned to one writer "
+            "replica at a time: priority group 'writers', policy pinned_client)"
+        ),
     ),
     "writeOutcomes": (
         "{reply_subject}",

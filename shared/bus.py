@@ -14,7 +14,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import nats
 import nats.errors
@@ -54,6 +54,10 @@ API_KEY_REVOKED_SUBJECT = "memories.api-keys.revoked"  # core NATS, in no stream
 WRITE_BATCHES_IN_HAND = 2
 """A writer holds a partition's batch being decided and the next one being prepared (embedded); the writes it
 sets aside to wait on a model take from the same budget."""
+WRITERS_GROUP = "writers"
+"""The priority group of every writer partition's durable: JetStream serves one replica of it at a time."""
+PIN_MARGIN_S = 5.0
+"""How much longer than the ack wait a partition stays pinned to a writer that has stopped pulling."""
 
 
 def partition_of(memory_id: str, partitions: int) -> int:
@@ -143,21 +147,10 @@ def layout(settings: Settings) -> Layout:
         max_age=30 * 24 * 3600,
     )
     writers = [
-        ConsumerConfig(
-            durable_name=writer_durable(p),
-            name=writer_durable(p),
-            filter_subject=partition_filter(p),
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            # A partition's writer holds one batch being decided and the next being prepared, in order, and
-            # the writes it has set aside to wait on a model (services.writer.handler): a partition whose
-            # budget is all set aside fetches nothing more until some are decided. A second replica can fetch
-            # only what the first left; the memory lock keeps the decisions on each memory serial either way.
+        writer_consumer(
+            p,
             max_ack_pending=WRITE_BATCHES_IN_HAND * settings.memories_write_batch,
-            ack_wait=settings.memories_ack_wait_s,
-            # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
-            # The handlers count deliveries of real failures and dead-letter after MEMORIES_MAX_DELIVER.
-            max_deliver=-1,
+            ack_wait_s=settings.memories_ack_wait_s,
         )
         for p in range(settings.memories_partitions)
     ]
@@ -182,6 +175,48 @@ def layout(settings: Settings) -> Layout:
     return Layout(
         streams=[writes, events, generations, dead],
         consumers={WRITES_STREAM: writers, GENERATIONS_STREAM: generation_consumers},
+    )
+
+
+@dataclass
+class PinnedConsumerConfig(ConsumerConfig):
+    """A consumer configuration with JetStream's priority groups (NATS 2.11 and later), which nats-py does not
+    model. Only the pull requests that name the group are served."""
+
+    priority_groups: list[str] | None = None
+    priority_policy: str | None = None
+    priority_timeout: float | None = None  # seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        result = super().as_dict()
+        if self.priority_timeout is not None:
+            result["priority_timeout"] = self._to_nanoseconds(self.priority_timeout)
+        return result
+
+
+def writer_consumer(partition: int, *, max_ack_pending: int, ack_wait_s: float) -> PinnedConsumerConfig:
+    """A partition's durable. Its writes are decided in the order they were published only if one replica consumes
+    it at a time, so it is pinned: JetStream serves the pull requests of one writer replica (the first to pull)
+    and keeps the others' waiting, until that replica gives the partition up as it stops, or has not pulled for
+    longer than the ack wait (it crashed, or waits out an outage). By then what it held is due to be delivered
+    again, so the next replica fetches it before anything published later."""
+    return PinnedConsumerConfig(
+        durable_name=writer_durable(partition),
+        name=writer_durable(partition),
+        filter_subject=partition_filter(partition),
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        # A partition's writer holds one batch being decided and the next being prepared, in order, and the writes
+        # it has set aside to wait on a model (services.writer.handler): a partition whose budget is all set aside
+        # fetches nothing more until some are decided.
+        max_ack_pending=max_ack_pending,
+        ack_wait=ack_wait_s,
+        # Unlimited on the server: an outage (database or bus) must not exhaust a write's deliveries.
+        # The handlers count deliveries of real failures and dead-letter after MEMORIES_MAX_DELIVER.
+        max_deliver=-1,
+        priority_groups=[WRITERS_GROUP],
+        priority_policy="pinned_client",
+        priority_timeout=ack_wait_s + PIN_MARGIN_S,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -87,6 +88,11 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
             with pytest.raises(bus.PartitionCountMismatch):
                 await bus.ensure_layout(js, Settings(memories_partitions=8))
             await bus.ensure_layout(js, Settings(memories_partitions=6))
+            # Their writer consumers are updated in place: served to one writer replica at a time.
+            for partition in range(6):
+                reply = await nc.request(f"$JS.API.CONSUMER.INFO.{bus.WRITES_STREAM}.{bus.writer_durable(partition)}", b"")
+                config = json.loads(reply.data)["config"]
+                assert (config["priority_policy"], config["priority_groups"]) == ("pinned_client", [bus.WRITERS_GROUP])
             # A write still queued: the count may not change under it, not even by `memories bus init`.
             await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.3.mem_queued", b"{}", stream=bus.WRITES_STREAM)
             with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):

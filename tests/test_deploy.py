@@ -22,6 +22,7 @@ import yaml  # type: ignore[import-untyped]
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from services.cli import _parse_partitions, build_parser, main
+from services.writer.partitions import PinnedPull
 from shared import bus, metrics
 from shared.servers import nats_server_binary, start_nats_cluster
 from shared.settings import Settings, get_settings
@@ -410,8 +411,8 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
         # A writer of the old count still pulling from a dropped partition: its consumer is kept too.
         pulled = bus.writer_durable(partitions - 2)
-        old_writer = await js.pull_subscribe_bind(durable=pulled, stream=bus.WRITES_STREAM)
-        pulling = asyncio.create_task(old_writer.fetch(batch=1, timeout=20))
+        old_writer = PinnedPull(nc, partitions - 2)
+        pulling = asyncio.create_task(old_writer.fetch(batch=1, wait_s=20))
         while not (await js.consumer_info(bus.WRITES_STREAM, pulled)).num_waiting:
             await asyncio.sleep(0.05)
         pruned = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=half)
@@ -422,11 +423,11 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         pulling.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await pulling
-        await old_writer.unsubscribe()
-        drained = await js.pull_subscribe_bind(durable=waiting, stream=bus.WRITES_STREAM)
-        [message] = await drained.fetch(batch=1, timeout=5)
+        await old_writer.close()
+        drained = PinnedPull(nc, partitions - 1)
+        [message] = await drained.fetch(batch=1, wait_s=5)
         await message.ack_sync()
-        await drained.unsubscribe()
+        await drained.close()
         for consumer in (pulled, waiting):  # their pull requests expire
             while (await js.consumer_info(bus.WRITES_STREAM, consumer)).num_waiting:
                 await asyncio.sleep(0.2)

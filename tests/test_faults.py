@@ -90,10 +90,11 @@ async def test_writers_killed_or_frozen_under_2000_writes_lose_and_double_nothin
         faults.append(f"kill -9 writer-a @{len(load.results)}")
         await system.start_writer("writer-a")
         await load.wait_for(len(writes) // 2, timeout=120)
-        # Stalled past the ack wait: writer-a gets the writes writer-b holds, and writer-b then finishes
-        # them too. Both apply each of them; only the write-outcome record keeps that to one effect.
-        faults.append(f"SIGSTOP writer-b 5s @{len(load.results)}")
-        await system.freeze("writer-b", seconds=5)
+        # Stalled past the ack wait and the pin's timeout (3 + 5 s): writer-b's partitions pass to writer-a, which
+        # gets the writes writer-b holds, and writer-b then finishes them too (the pin is no lock). Both apply each
+        # of them; only the write-outcome record keeps that to one effect.
+        faults.append(f"SIGSTOP writer-b 10s @{len(load.results)}")
+        await system.freeze("writer-b", seconds=10)
         await load.wait_for(len(writes) * 3 // 4, timeout=120)
         system.kill("writer-a")  # then every writer at once: nothing runs until they are back
         system.kill("writer-b")

@@ -8,31 +8,22 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import nats
 import pytest
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.writer import partitions
-from services.writer.partitions import PartitionConsumer
+from services.writer.partitions import PartitionConsumer, PinnedPull
 from shared import bus
 from shared.settings import Settings
 
 
 async def _own_durable(js: Any, partition: int, max_ack_pending: int, ack_wait: float = 30.0) -> None:
     await js.add_consumer(
-        bus.WRITES_STREAM,
-        ConsumerConfig(
-            durable_name=bus.writer_durable(partition),
-            filter_subject=bus.partition_filter(partition),
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ack_wait,
-            max_ack_pending=max_ack_pending,
-        ),
+        bus.WRITES_STREAM, bus.writer_consumer(partition, max_ack_pending=max_ack_pending, ack_wait_s=ack_wait)
     )
 
 
@@ -41,6 +32,7 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
     nc = await nats.connect(settings.nats_url)
     js = nc.jetstream()
     await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)
+    rival_nc = await nats.connect(settings.nats_url)
     batches: list[list[str]] = []
     deliveries: list[int] = []
     stolen: list[Msg] = []
@@ -54,12 +46,9 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
         deliveries.extend(m.metadata.num_delivered for m in messages)
         # Longer than the ack wait: only the in-progress signals keep them from a competing replica.
         await asyncio.sleep(1.6)
-        rival = await js.pull_subscribe_bind(durable=bus.writer_durable(partition), stream=bus.WRITES_STREAM)
-        try:
-            stolen.extend(await rival.fetch(batch=5, timeout=0.5))
-        except TimeoutError:
-            pass
-        await rival.unsubscribe()
+        rival = PinnedPull(rival_nc, partition)  # another replica
+        stolen.extend(await rival.fetch(batch=5, wait_s=0.5))
+        await rival.close()
         await asyncio.sleep(0.5)
         for message in messages:
             await message.ack()
@@ -68,7 +57,7 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
     try:
         for i in range(5):
             await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_p{i}", str(i).encode(), stream=bus.WRITES_STREAM)
-        consumer = PartitionConsumer(js, partition, prepare, slow_finish, batch=8, ack_wait_s=1.0)
+        consumer = PartitionConsumer(nc, partition, prepare, slow_finish, batch=8, ack_wait_s=1.0)
         consumer.start()
         while not batches:
             await asyncio.sleep(0.01)
@@ -85,6 +74,7 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()
+        await rival_nc.close()
 
 
 async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_after_it(
@@ -101,28 +91,32 @@ async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_aft
         return messages
 
     async def finish(messages: Sequence[Msg]) -> None:
-        if not any(step == "finished" for step, _ in steps):
-            await asyncio.sleep(0.5)  # the first batch decides slowly
+        if messages[0].data == b"0":
+            await asyncio.sleep(0.5)  # the first batch after the warm-up decides slowly
         for message in messages:
             await message.ack()
         steps.append(("finished", [m.data.decode() for m in messages]))
 
     try:
+        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=3, ack_wait_s=30.0)
+        consumer.start()
+        # A first write pins the partition to this consumer: until then a fetch takes two batches at once.
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q", b"warm-up", stream=bus.WRITES_STREAM)
+        while len(steps) < 2:
+            await asyncio.sleep(0.01)
+        del steps[:2]
         for i in range(6):
             await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q{i}", str(i).encode(), stream=bus.WRITES_STREAM)
-        consumer = PartitionConsumer(js, partition, prepare, finish, batch=3, ack_wait_s=30.0)
-        consumer.start()
         for _ in range(300):
-            if len(steps) == 4:
+            if sum(len(batch) for step, batch in steps if step == "finished") == 6:
                 break
             await asyncio.sleep(0.01)
         await consumer.stop(timeout=10)
-        assert steps == [
-            ("prepared", ["0", "1", "2"]),
-            ("prepared", ["3", "4", "5"]),  # while the first batch is still being finished
-            ("finished", ["0", "1", "2"]),
-            ("finished", ["3", "4", "5"]),
-        ]
+        prepared = [batch for step, batch in steps if step == "prepared"]
+        finished = [batch for step, batch in steps if step == "finished"]
+        # The second batch was prepared while the first was still being finished; the batches finished in order.
+        assert [step for step, _ in steps[:3]] == ["prepared", "prepared", "finished"]
+        assert finished == prepared and [data for batch in finished for data in batch] == [str(i) for i in range(6)]
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()
@@ -144,7 +138,7 @@ async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: 
             await message.ack()
 
     try:
-        consumer = PartitionConsumer(js, partition, prepare, finish, batch=8, ack_wait_s=60.0)
+        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=60.0)
         consumer.start()
         await asyncio.sleep(0.5)  # idle: its fetch waits on the server for a first message
         stopping = asyncio.create_task(consumer.stop(timeout=10))
@@ -153,11 +147,12 @@ async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: 
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_late", b"late", stream=bus.WRITES_STREAM)
         await asyncio.wait_for(stopping, 10)
         assert handled == []
-        successor = await js.pull_subscribe_bind(durable=bus.writer_durable(partition), stream=bus.WRITES_STREAM)
-        [message] = await successor.fetch(batch=1, timeout=5)
+        await consumer.release()  # else the next replica would wait out the pin's timeout (65 s here)
+        successor = PinnedPull(nc, partition)
+        [message] = await successor.fetch(batch=1, wait_s=5)
         assert message.data == b"late" and message.metadata.num_delivered == 2
         await message.ack()
-        await successor.unsubscribe()
+        await successor.close()
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()
@@ -187,7 +182,7 @@ async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch
 
     gaps = random.Random(7)
     try:
-        consumer = PartitionConsumer(js, partition, prepare, finish, batch=8, ack_wait_s=30.0)
+        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=30.0)
         consumer.start()
         for i in range(60):
             await asyncio.sleep(gaps.uniform(0.05, 0.45))  # across fetch timeouts, at every point of one
@@ -201,5 +196,118 @@ async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch
         assert len(waited) == 60
         assert [round(w, 3) for w in waited if w > 0.15] == []  # a lone write takes milliseconds
     finally:
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
+
+
+class Replica:
+    """A writer replica of one partition, on its own connection: records what it decides, in order."""
+
+    def __init__(self, name: str, decided: list[tuple[str, str]], *, hang: asyncio.Event | None = None) -> None:
+        self.name = name
+        self._decided = decided
+        self._hang = hang  # finish waits for it, then acknowledges nothing (a replica dying with its batches)
+        self.nc: Any = None
+        self.consumer: PartitionConsumer[Sequence[Msg]] | None = None
+
+    async def start(self, settings: Settings, partition: int, *, batch: int, ack_wait_s: float) -> None:
+        self.nc = await nats.connect(settings.nats_url)
+        self.consumer = PartitionConsumer(self.nc, partition, self._prepare, self._finish, batch=batch, ack_wait_s=ack_wait_s)
+        self.consumer.start()
+
+    async def _prepare(self, messages: Sequence[Msg]) -> Sequence[Msg]:
+        return messages
+
+    async def _finish(self, messages: Sequence[Msg]) -> None:
+        if self._hang is not None:
+            await self._hang.wait()
+            return
+        for message in messages:
+            self._decided.append((self.name, message.data.decode()))
+            await message.ack()
+
+    async def stop(self) -> None:
+        assert self.consumer is not None
+        await self.consumer.stop(timeout=10)
+        await self.consumer.release()
+        await self.nc.close()
+
+
+async def _until(condition: Callable[[], bool], timeout: float) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_partition_is_one_replicas_at_a_time_and_passes_to_the_next_at_once_when_it_stops(
+    settings: Settings, writers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The waiting replica's pull requests must not hold up the other's: JetStream refuses a `no_wait` request
+    # while another waits, and a fetch built on one waited for the waiting replica's request to expire.
+    monkeypatch.setattr(partitions, "FETCH_WAIT_S", 4.0)
+    partition = settings.memories_partitions + 11  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=8)
+    decided: list[tuple[str, str]] = []
+    first, second = Replica("first", decided), Replica("second", decided)
+    subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_pinned"
+    try:
+        await first.start(settings, partition, batch=4, ack_wait_s=30.0)
+        await js.publish(subject, b"0", stream=bus.WRITES_STREAM)
+        await _until(lambda: len(decided) == 1, 5)  # the partition is pinned to the first replica
+        await second.start(settings, partition, batch=4, ack_wait_s=30.0)
+        for i in range(1, 30):  # queued in bursts and one by one: without the pin, either replica takes some
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+            if i % 7 == 0:
+                await asyncio.sleep(0.05)
+        await _until(lambda: len(decided) == 30, 2.5)  # a few milliseconds each; held, up to FETCH_WAIT_S
+        assert decided == [("first", str(i)) for i in range(30)]
+        # A rolling restart: the stopping replica gives the partition up, and the other one need not wait out the
+        # pin's timeout (35 s here).
+        await first.stop()
+        started = time.monotonic()
+        for i in range(30, 35):
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+        await _until(lambda: len(decided) == 35, 10)
+        assert decided[30:] == [("second", str(i)) for i in range(30, 35)]
+        assert time.monotonic() - started < 5
+    finally:
+        await second.stop()
+        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
+
+
+async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_published_after_them(
+    settings: Settings, writers: list[Any]
+) -> None:
+    partition = settings.memories_partitions + 12  # a partition no running writer consumes
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)  # so pinned for 6 s without a pull
+    decided: list[tuple[str, str]] = []
+    dying = asyncio.Event()
+    crashing, survivor = Replica("crashing", decided, hang=dying), Replica("survivor", decided)
+    subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_crash"
+    try:
+        for i in range(5):
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+        await crashing.start(settings, partition, batch=4, ack_wait_s=1.0)
+        for _ in range(250):
+            if (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(partition))).num_ack_pending == 5:
+                break
+            await asyncio.sleep(0.02)
+        await survivor.start(settings, partition, batch=4, ack_wait_s=1.0)
+        await crashing.nc.close()  # dies holding a batch, its messages unacknowledged, within max_ack_pending
+        dying.set()
+        for i in range(5, 8):  # published while its writes wait to be delivered again
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+        await _until(lambda: len(decided) == 8, 15)
+        assert decided == [("survivor", str(i)) for i in range(8)]
+    finally:
+        assert crashing.consumer is not None
+        await crashing.consumer.stop(timeout=1)
+        await survivor.stop()
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()

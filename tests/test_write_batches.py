@@ -17,7 +17,6 @@ import httpx
 import nats
 import numpy as np
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
 from sqlalchemy import event, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -389,19 +388,19 @@ class OwnPartition:
         self._js = handler._js
         self._ack_wait_s = ack_wait_s
         self._consumer = PartitionConsumer(
-            self._js, self.number, handler.prepare, handler.finish, batch=32, ack_wait_s=ack_wait_s
+            handler._nc, self.number, handler.prepare, handler.finish, batch=32, ack_wait_s=ack_wait_s
         )
 
     async def start(self) -> None:
-        await self._js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
-            durable_name=bus.writer_durable(self.number), filter_subject=bus.partition_filter(self.number),
-            ack_policy=AckPolicy.EXPLICIT, max_ack_pending=64, ack_wait=self._ack_wait_s,
-        ))
+        await self._js.add_consumer(
+            bus.WRITES_STREAM, bus.writer_consumer(self.number, max_ack_pending=64, ack_wait_s=self._ack_wait_s)
+        )
         self._consumer.start()
 
     async def stop(self) -> None:
         await self._consumer.stop(timeout=10)
         await self.handler.finish_lanes(timeout=0)  # what a failed test left in a lane is cancelled
+        await self._consumer.release()
         await self._js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(self.number))
         # Nothing a failed test left undecided reaches the next one's partition.
         await self._js.purge_stream(bus.WRITES_STREAM, subject=bus.partition_filter(self.number))

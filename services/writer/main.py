@@ -1,10 +1,11 @@
 """The writer: consumes MEMORY_WRITES, one durable pull consumer per partition, and decides each write.
 
-Any number of replicas may run: each binds to every partition's durable consumer (or to the partitions it
-is given) and decides a partition's queued writes as one batch, in order, while it prepares the next
-(services.writer.partitions); a memory whose write waits on a model is decided aside (services.writer.handler).
-`max_ack_pending` on those consumers is two batches; the database lock keeps the decisions on a memory serial
-across replicas, and the write-outcome table makes redeliveries harmless."""
+Any number of replicas may run: each pulls every partition's durable consumer (or the partitions it is given),
+JetStream serves each partition to one replica at a time (the others wait their turn), and that replica decides
+the partition's queued writes as one batch, in order, while it prepares the next (services.writer.partitions); a
+memory whose write waits on a model is decided aside (services.writer.handler). `max_ack_pending` on those
+consumers is two batches; the database lock keeps the decisions on a memory serial whatever happens, and the
+write-outcome table makes redeliveries harmless."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class Writer(ConsumerProcess):
         assert self.nc is not None and self._handler is not None
         self._partition_consumers = [
             PartitionConsumer(
-                self.nc.jetstream(),
+                self.nc,
                 partition,
                 self._handler.prepare,
                 self._handler.finish,
@@ -104,6 +105,7 @@ class Writer(ConsumerProcess):
         await asyncio.gather(*(consumer.stop(timeout=STOP_BUDGET_S) for consumer in self._partition_consumers))
         if self._handler is not None:
             await self._handler.finish_lanes(timeout=deadline - loop.time())
+        await asyncio.gather(*(consumer.release() for consumer in self._partition_consumers))
         await super().stop()
 
     def consumers(self) -> list[metrics.ConsumerRef]:

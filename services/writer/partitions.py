@@ -1,27 +1,33 @@
 """Consuming one partition of MEMORY_WRITES in order, a batch at a time, two stages deep.
 
-FastStream's pull subscribers either run a fetched batch concurrently or wait to fill it, so the writer
-fetches its partitions itself: `fetch` returns what is queued (up to the batch size) at once, or waits for
-the first message. A batch goes through two stages: `prepare` (no lock held: the embeddings, the expensive
-part) and `finish` (the decisions, in order, then the acks). While one batch is finished the next one is
-fetched and prepared, so the serial part of a partition is its lookups, decisions and inserts; a batch is
-finished only after the one before it. While a batch is in hand its messages are kept in progress, so a
-slow model call does not let the ack wait hand them to another replica. `finish` may set a memory's writes
-aside to wait on a model (services.writer.handler): the partition goes on, and they stay unacknowledged, within
-the durable's `max_ack_pending`, until decided.
+A partition's durable is pinned to one writer replica at a time (bus.writer_consumer); the others' pull requests
+wait, so a memory's writes are decided in the order they were published however many replicas run. nats-py's
+fetch knows no priority groups, and FastStream's pull subscribers either run a fetched batch concurrently or wait
+to fill it, so the writer pulls its partitions itself (`PinnedPull`): one pull returns what is queued (up to the
+batch size) at once, or waits for the first message. A batch goes through two stages: `prepare` (no lock held:
+the embeddings, the expensive part) and `finish` (the decisions, in order, then the acks). While one batch is
+finished the next one is fetched and prepared, so the serial part of a partition is its lookups, decisions and
+inserts; a batch is finished only after the one before it. While a batch is in hand its messages are kept in
+progress, so a slow model call does not let the ack wait hand them to another replica. `finish` may set a
+memory's writes aside to wait on a model (services.writer.handler): the partition goes on, and they stay
+unacknowledged, within the durable's `max_ack_pending`, until decided.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from nats.aio.subscription import Subscription
 
 from shared import bus
 
@@ -30,20 +36,150 @@ log = logging.getLogger("memories.writer")
 Prepared = TypeVar("Prepared")
 
 FETCH_WAIT_S = 5.0
-"""How long one fetch waits on an idle partition before it asks again."""
+"""How long one pull waits on an idle partition (or, for a replica the partition is not pinned to, for its turn)
+before it asks again."""
 
-STALE_ANSWER_WAIT_S = 0.02
-"""How long the next fetch waits after one timed out. The server's answer to the expired pull request (a 408
-status) may still be on its way; nats-py's next fetch would take it for the answer to its own first request and
-fall back to a request that waits for a whole batch, holding a lone write until its deadline (up to FETCH_WAIT_S:
-measured, 5 to 7 of 150 lone messages held with a 0.3 s fetch, none with this pause). Arrived meanwhile, the stale
-answer is discarded."""
+QUEUED_WAIT_S = 0.001
+"""How long the request for what is queued with a first message waits for more: a write arriving meanwhile joins."""
+
+RECONNECT_CHECK_S = 0.5
+"""How often a waiting pull looks whether the connection was re-established (which loses the request)."""
+
+ANSWER_GRACE_S = 1.0
+"""How long past its own expiry a pull waits for the server's last word on it before giving it up."""
+
+PIN_HEADER = "Nats-Pin-Id"
+
+
+class PinnedPull:
+    """Pull requests for one partition's durable, as a member of its priority group (bus.WRITERS_GROUP).
+
+    JetStream answers the replica the partition is pinned to; the first message after it pins this one carries
+    the pin's id, which every later request names. A request naming a pin that has moved on is answered 423, and
+    this replica waits its turn again. Each request has a reply subject of its own, so a late status of one (a
+    timed-out request's 408) is never taken for the end of the next."""
+
+    def __init__(self, nc: NatsClient, partition: int) -> None:
+        self._nc = nc
+        self._partition = partition
+        durable = bus.writer_durable(partition)
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.{durable}"
+        self._info_subject = f"$JS.API.CONSUMER.INFO.{bus.WRITES_STREAM}.{durable}"
+        self._unpin_subject = f"$JS.API.CONSUMER.UNPIN.{bus.WRITES_STREAM}.{durable}"
+        self._inbox = nc.new_inbox()
+        self._requests = itertools.count()
+        self._subscription: Subscription | None = None
+        self._answering: tuple[str, asyncio.Queue[Msg]] | None = None
+        self.pin: str | None = None
+
+    async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
+        """What is queued, up to `batch`, as soon as there is a message; [] when none came within `wait_s`, or
+        the partition is another replica's.
+
+        Two requests: one for a single message, waiting up to `wait_s`, then one for what is queued with it, which
+        expires almost at once (QUEUED_WAIT_S). A request marked `no_wait` would do both at once, but JetStream
+        refuses one while another request waits ("408 Requests Pending"), and the other replicas' requests always
+        wait; a request for the whole batch would wait until it is full."""
+        if self._subscription is None:
+            self._subscription = await self._nc.subscribe(f"{self._inbox}.*", cb=self._route)
+        messages: list[Msg] = []
+        try:
+            await self._request(1, wait_s, messages)
+            if messages and batch > 1:
+                await self._request(batch - 1, QUEUED_WAIT_S, messages)
+        except asyncio.CancelledError:  # a stopping writer: what came is handed back, not left to the ack wait
+            for message in messages:
+                with contextlib.suppress(nats.errors.Error):
+                    await message.nak()
+            raise
+        return messages
+
+    async def _request(self, count: int, expires_s: float, messages: list[Msg]) -> None:
+        reply = f"{self._inbox}.{next(self._requests)}"
+        answers: asyncio.Queue[Msg] = asyncio.Queue()
+        self._answering = (reply, answers)
+        request: dict[str, object] = {"batch": count, "expires": int(expires_s * 1e9), "group": bus.WRITERS_GROUP}
+        if self.pin is not None:
+            request["id"] = self.pin
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + expires_s + ANSWER_GRACE_S
+        wanted = len(messages) + count
+        reconnects = self._nc.stats["reconnects"]
+        try:
+            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=reply)
+            while len(messages) < wanted:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return  # its end never came
+                try:
+                    answer = await asyncio.wait_for(answers.get(), min(remaining, RECONNECT_CHECK_S))
+                except TimeoutError:
+                    if self._nc.stats["reconnects"] != reconnects:
+                        return  # a server that restarted, or another node, knows nothing of this request
+                    continue
+                status = (answer.headers or {}).get("Status")
+                if status is None:
+                    self._note_pin(answer)
+                    messages.append(answer)
+                elif status in ("404", "408"):  # it expired
+                    return
+                elif status == "423":
+                    log.info("partition %s is another writer replica's now", self._partition)
+                    self.pin = None
+                    return
+                elif status != "100":  # 100: a heartbeat
+                    if messages:
+                        return
+                    raise nats.js.errors.APIError.from_msg(answer)
+        finally:
+            while not answers.empty():  # arrived as it was cancelled
+                answer = answers.get_nowait()
+                if not (answer.headers or {}).get("Status"):
+                    messages.append(answer)
+            self._answering = None
+
+    def _note_pin(self, message: Msg) -> None:
+        pin = (message.headers or {}).get(PIN_HEADER)
+        if pin is not None and pin != self.pin:
+            if self.pin is None:
+                log.info("partition %s is this writer replica's now", self._partition)
+            self.pin = pin
+
+    async def _route(self, message: Msg) -> None:
+        # A status comes on the request's reply subject; a message keeps its own subject.
+        if (message.headers or {}).get("Status"):
+            if self._answering is not None and message.subject == self._answering[0]:
+                self._answering[1].put_nowait(message)
+        elif self._answering is not None:
+            self._answering[1].put_nowait(message)
+        else:  # delivered for a request given up on, none under way: back to the stream now, not after the ack wait
+            self._note_pin(message)  # and the partition may be pinned here by it: `release` must know
+            with contextlib.suppress(nats.errors.Error):
+                await message.nak()
+
+    async def release(self) -> None:
+        """Give the partition up at once (a stopping writer), so that a waiting replica need not wait out the
+        pin's timeout. Only if it is still pinned here: unpinning another replica would move the partition for
+        nothing, and let its batches in hand be overtaken."""
+        pin, self.pin = self.pin, None
+        if pin is None:
+            return
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            info = json.loads((await self._nc.request(self._info_subject, b"", timeout=2)).data)
+            if any(group.get("pinned_client_id") == pin for group in info.get("priority_groups") or []):
+                await self._nc.request(self._unpin_subject, json.dumps({"group": bus.WRITERS_GROUP}).encode(), timeout=2)
+
+    async def close(self) -> None:
+        if self._subscription is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._subscription.unsubscribe()
+            self._subscription = None
 
 
 class PartitionConsumer(Generic[Prepared]):
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NatsClient,
         partition: int,
         prepare: Callable[[Sequence[Msg]], Awaitable[Prepared]],
         finish: Callable[[Prepared], Awaitable[None]],
@@ -51,7 +187,6 @@ class PartitionConsumer(Generic[Prepared]):
         batch: int,
         ack_wait_s: float,
     ) -> None:
-        self._js = js
         self.partition = partition
         self._prepare = prepare
         self._finish = finish
@@ -59,7 +194,7 @@ class PartitionConsumer(Generic[Prepared]):
         self._ack_wait_s = ack_wait_s
         self._loop: asyncio.Task[None] | None = None
         self._in_hand: set[asyncio.Task[None]] = set()
-        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._pull = PinnedPull(nc, partition)
         self._stopping = False
 
     def start(self) -> None:
@@ -68,11 +203,12 @@ class PartitionConsumer(Generic[Prepared]):
     async def stop(self, timeout: float) -> None:
         """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered.
 
-        A fetch under way is let finish (at most FETCH_WAIT_S, within `timeout`) rather than cancelled: cancelled, its pull
-        request stays open on the server, and what it then delivers would sit unhandled until the ack wait
-        expired (and the connection's drain would wait on it as long). What it brings is handed back at once."""
+        A pull under way is let finish (at most FETCH_WAIT_S, within `timeout`) rather than cancelled: the server
+        would still answer it, and could pin the partition to it, a request nobody waits on (measured: a replica
+        waiting its turn then waits out the pin's timeout). What it brings is handed back at once. The partition
+        stays this replica's until `release`."""
         self._stopping = True
-        deadline = asyncio.get_running_loop().time() + timeout  # one budget for the fetch and the batches in hand
+        deadline = asyncio.get_running_loop().time() + timeout  # one budget for the pull and the batches in hand
         if self._loop is not None:
             if not (await asyncio.wait({self._loop}, timeout=timeout))[0]:
                 self._loop.cancel()
@@ -81,36 +217,33 @@ class PartitionConsumer(Generic[Prepared]):
         if self._in_hand:
             await asyncio.wait(self._in_hand, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
 
-    async def _consume(self) -> None:
-        try:
-            await self._fetch_until_stopped()
-        finally:  # no pull request of this loop left open for the connection's drain to wait on
-            if self._subscription is not None:
-                with contextlib.suppress(nats.errors.Error):
-                    await self._subscription.unsubscribe()
-                self._subscription = None
+    async def release(self) -> None:
+        """After `stop` and after the writes it set aside are decided or handed back: the partition goes to a
+        waiting replica at once. Released earlier, that replica could fetch a memory's later writes before them."""
+        await self._pull.release()
+        await self._pull.close()
 
-    async def _fetch_until_stopped(self) -> None:
+    async def _consume(self) -> None:
         previous: asyncio.Task[None] | None = None
         while not self._stopping:
+            # Until this replica holds the partition, a pull may be the first after a crashed replica's: it asks
+            # for all that one could have held, so that those writes come back in one batch, in order.
+            batch = self._batch if self._pull.pin is not None else bus.WRITE_BATCHES_IN_HAND * self._batch
             try:
-                if self._subscription is None:
-                    self._subscription = await self._js.pull_subscribe_bind(
-                        durable=bus.writer_durable(self.partition), stream=bus.WRITES_STREAM
-                    )
-                messages = await self._subscription.fetch(batch=self._batch, timeout=FETCH_WAIT_S)
-            except TimeoutError:
-                await asyncio.sleep(STALE_ANSWER_WAIT_S)
-                continue
+                messages = await self._pull.fetch(batch=batch, wait_s=FETCH_WAIT_S)
             except nats.errors.Error as exc:  # reconnecting, or the stream's leader is being elected
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
                 await asyncio.sleep(1.0)
+                continue
+            if not messages:
                 continue
             if self._stopping:  # fetched while stopping: another replica (or the next start) takes them now
                 for message in messages:
                     with contextlib.suppress(nats.errors.Error):
                         await message.nak()
                 return
+            # Redelivered writes (a crashed replica's, or handed back) come in no particular order.
+            messages.sort(key=lambda message: message.metadata.sequence.stream)
             prepared = asyncio.Event()
             # A task of its own: stopping waits for the batches in hand instead of abandoning one half-decided.
             current = asyncio.create_task(self._handle(messages, previous, prepared))
