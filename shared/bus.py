@@ -57,7 +57,9 @@ sets aside to wait on a model take from the same budget."""
 WRITERS_GROUP = "writers"
 """The priority group of every writer partition's durable: JetStream serves one replica of it at a time."""
 PIN_MARGIN_S = 5.0
-"""How much longer than the ack wait a partition stays pinned to a writer that has stopped pulling."""
+"""How much longer than the ack wait a partition stays pinned to a writer that has stopped pulling. A live writer
+pulls (or tells the server it is alive) at least every 2 s (services.writer.partitions), so a crashed one's pin
+lapses after what it held is due again."""
 
 
 def partition_of(memory_id: str, partitions: int) -> int:
@@ -198,8 +200,9 @@ def writer_consumer(partition: int, *, max_ack_pending: int, ack_wait_s: float) 
     """A partition's durable. Its writes are decided in the order they were published only if one replica consumes
     it at a time, so it is pinned: JetStream serves the pull requests of one writer replica (the first to pull)
     and keeps the others' waiting, until that replica gives the partition up as it stops, or has not pulled for
-    longer than the ack wait (it crashed, or waits out an outage). By then what it held is due to be delivered
-    again, so the next replica fetches it before anything published later."""
+    PIN_MARGIN_S longer than the ack wait (it crashed). By then what it held is due to be delivered again, so the
+    next replica fetches it before anything published later. (A consumer leader change on a cluster clears the
+    pin too: docs/reliability.md.)"""
     return PinnedConsumerConfig(
         durable_name=writer_durable(partition),
         name=writer_durable(partition),
@@ -496,6 +499,16 @@ async def _keep_in_progress(messages: Sequence[Msg], every_s: float) -> None:
 
 RETRY_DELAY_MAX_S = 30.0
 """The longest pause between two attempts: a redelivery's delay, or a wait in place for an outage to end."""
+
+
+async def hand_back(messages: Sequence[Msg]) -> None:
+    """Return messages to their stream at once, in the order they were published (a memory's writes must come back
+    in their order); one the bus cannot take now comes back after the ack wait."""
+    for message in sorted(messages, key=lambda m: m.metadata.sequence.stream):
+        try:
+            await message.nak()
+        except nats.errors.Error as exc:
+            log.warning("could not hand a message back: %s", exc)
 
 
 def retry_delay(backoff: float, delivered: int) -> float:

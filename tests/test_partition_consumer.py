@@ -62,6 +62,7 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
         while not batches:
             await asyncio.sleep(0.01)
         await consumer.stop(timeout=10)  # called mid-batch: returns once the batch is finished
+        await consumer.release()
         assert finished.is_set()
         assert batches == [["0", "1", "2", "3", "4"]]
         assert deliveries == [1, 1, 1, 1, 1] and stolen == []
@@ -71,6 +72,9 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
                 break
             await asyncio.sleep(0.02)
         assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0
+        # Each delivered once: a write the ack wait had handed back meanwhile (to this replica's next pull, the
+        # partition being pinned here) would be counted here even though it was handed back again at the stop.
+        assert info.delivered.consumer_seq == 5
     finally:
         await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
         await nc.close()
@@ -112,6 +116,7 @@ async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_aft
                 break
             await asyncio.sleep(0.01)
         await consumer.stop(timeout=10)
+        await consumer.release()
         prepared = [batch for step, batch in steps if step == "prepared"]
         finished = [batch for step, batch in steps if step == "finished"]
         # The second batch was prepared while the first was still being finished; the batches finished in order.
@@ -193,6 +198,7 @@ async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch
                 break
             await asyncio.sleep(0.02)
         await consumer.stop(timeout=10)
+        await consumer.release()
         assert len(waited) == 60
         assert [round(w, 3) for w in waited if w > 0.15] == []  # a lone write takes milliseconds
     finally:
@@ -203,10 +209,13 @@ async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch
 class Replica:
     """A writer replica of one partition, on its own connection: records what it decides, in order."""
 
-    def __init__(self, name: str, decided: list[tuple[str, str]], *, hang: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, name: str, decided: list[tuple[str, str]], *, hang: asyncio.Event | None = None, hang_in: str = "finish"
+    ) -> None:
         self.name = name
         self._decided = decided
-        self._hang = hang  # finish waits for it, then acknowledges nothing (a replica dying with its batches)
+        self._hang = hang  # a stage waits for it, then nothing is acknowledged (a replica dying with its batches)
+        self._hang_in = hang_in
         self.nc: Any = None
         self.consumer: PartitionConsumer[Sequence[Msg]] | None = None
 
@@ -216,6 +225,8 @@ class Replica:
         self.consumer.start()
 
     async def _prepare(self, messages: Sequence[Msg]) -> Sequence[Msg]:
+        if self._hang is not None and self._hang_in == "prepare":
+            await self._hang.wait()
         return messages
 
     async def _finish(self, messages: Sequence[Msg]) -> None:
@@ -279,8 +290,17 @@ async def test_a_partition_is_one_replicas_at_a_time_and_passes_to_the_next_at_o
         await nc.close()
 
 
+@pytest.mark.parametrize(
+    ("hang_in", "held_s"),
+    [
+        ("finish", 0.0),  # crashes while deciding, its next pull open
+        # Crashes after preparing longer than the pin's timeout, pulling nothing meanwhile: its pin must not have
+        # lapsed while it held the writes (kept in progress), or the other replica decides later writes first.
+        ("prepare", 7.0),
+    ],
+)
 async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_published_after_them(
-    settings: Settings, writers: list[Any]
+    settings: Settings, writers: list[Any], hang_in: str, held_s: float
 ) -> None:
     partition = settings.memories_partitions + 12  # a partition no running writer consumes
     nc = await nats.connect(settings.nats_url)
@@ -288,7 +308,7 @@ async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_p
     await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)  # so pinned for 6 s without a pull
     decided: list[tuple[str, str]] = []
     dying = asyncio.Event()
-    crashing, survivor = Replica("crashing", decided, hang=dying), Replica("survivor", decided)
+    crashing, survivor = Replica("crashing", decided, hang=dying, hang_in=hang_in), Replica("survivor", decided)
     subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_crash"
     try:
         for i in range(5):
@@ -299,6 +319,7 @@ async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_p
                 break
             await asyncio.sleep(0.02)
         await survivor.start(settings, partition, batch=4, ack_wait_s=1.0)
+        await asyncio.sleep(held_s)
         await crashing.nc.close()  # dies holding a batch, its messages unacknowledged, within max_ack_pending
         dying.set()
         for i in range(5, 8):  # published while its writes wait to be delivered again

@@ -162,7 +162,7 @@ class WriteHandler:
                 for lane in pending:
                     lane.cancel()
                 await asyncio.wait(pending)
-                await _hand_back([message for message in undecided if not message.is_acked])
+                await bus.hand_back([message for message in undecided if not message.is_acked])
                 return
             await asyncio.wait(pending, timeout=left)
 
@@ -330,14 +330,6 @@ def _count(event: MemoryWriteRequested, applied: AppliedWrite) -> None:
         metrics.observe_write_failure(outcome.error.code)
     elif outcome.action is not None:
         metrics.observe_write_decision(outcome.action.value, event.source_type.value, event.occurred_at)
-
-
-async def _hand_back(messages: Sequence[Msg]) -> None:
-    for message in sorted(messages, key=lambda m: m.metadata.sequence.stream if m.metadata else 0):
-        try:
-            await message.nak()
-        except nats.errors.Error as exc:  # the bus is gone too: the ack wait hands it back
-            log.warning("could not hand a set-aside write back: %s", exc)
 
 
 def _payload_of(body: bytes) -> dict[str, Any]:
