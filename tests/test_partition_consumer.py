@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import nats
 import pytest
+import pytest_asyncio
 from nats.aio.msg import Msg
 
 from services.writer import partitions
@@ -20,18 +21,35 @@ from services.writer.partitions import PartitionConsumer, PinnedPull
 from shared import bus
 from shared.settings import Settings
 
-
-async def _own_durable(js: Any, partition: int, max_ack_pending: int, ack_wait: float = 30.0) -> None:
-    await js.add_consumer(
-        bus.WRITES_STREAM, bus.writer_consumer(partition, max_ack_pending=max_ack_pending, ack_wait_s=ack_wait)
-    )
+OwnDurable = Callable[..., Awaitable[tuple[int, Any, Any]]]
 
 
-async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings: Settings, writers: list[Any]) -> None:
-    partition = settings.memories_partitions + 7  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)
+@pytest_asyncio.fixture
+async def own_durable(settings: Settings) -> AsyncIterator[OwnDurable]:
+    """A writer partition's durable beyond the count (no running writer consumes it), with a connection of its own;
+    both are gone after the test."""
+    made: list[tuple[Any, int]] = []
+
+    async def make(offset: int, *, max_ack_pending: int, ack_wait: float = 30.0) -> tuple[int, Any, Any]:
+        partition = settings.memories_partitions + offset
+        nc = await nats.connect(settings.nats_url)
+        js = nc.jetstream()
+        await js.add_consumer(
+            bus.WRITES_STREAM, bus.writer_consumer(partition, max_ack_pending=max_ack_pending, ack_wait_s=ack_wait)
+        )
+        made.append((nc, partition))
+        return partition, nc, js
+
+    yield make
+    for nc, partition in made:
+        await nc.jetstream().delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
+        await nc.close()
+
+
+async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    partition, nc, js = await own_durable(7, max_ack_pending=8, ack_wait=1.0)
     rival_nc = await nats.connect(settings.nats_url)
     batches: list[list[str]] = []
     deliveries: list[int] = []
@@ -76,18 +94,13 @@ async def test_a_partition_arrives_in_order_in_batches_kept_in_progress(settings
         # partition being pinned here) would be counted here even though it was handed back again at the stop.
         assert info.delivered.consumer_seq == 5
     finally:
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
         await rival_nc.close()
 
 
 async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_after_it(
-    settings: Settings, writers: list[Any]
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
 ) -> None:
-    partition = settings.memories_partitions + 8  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=bus.WRITE_BATCHES_IN_HAND * 3)
+    partition, nc, js = await own_durable(8, max_ack_pending=bus.WRITE_BATCHES_IN_HAND * 3)
     steps: list[tuple[str, list[str]]] = []
 
     async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
@@ -101,37 +114,32 @@ async def test_the_next_batch_is_prepared_while_one_is_finished_and_finished_aft
             await message.ack()
         steps.append(("finished", [m.data.decode() for m in messages]))
 
-    try:
-        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=3, ack_wait_s=30.0)
-        consumer.start()
-        # A first write pins the partition to this consumer: until then a fetch takes two batches at once.
-        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q", b"warm-up", stream=bus.WRITES_STREAM)
-        while len(steps) < 2:
-            await asyncio.sleep(0.01)
-        del steps[:2]
-        for i in range(6):
-            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q{i}", str(i).encode(), stream=bus.WRITES_STREAM)
-        for _ in range(300):
-            if sum(len(batch) for step, batch in steps if step == "finished") == 6:
-                break
-            await asyncio.sleep(0.01)
-        await consumer.stop(timeout=10)
-        await consumer.release()
-        prepared = [batch for step, batch in steps if step == "prepared"]
-        finished = [batch for step, batch in steps if step == "finished"]
-        # The second batch was prepared while the first was still being finished; the batches finished in order.
-        assert [step for step, _ in steps[:3]] == ["prepared", "prepared", "finished"]
-        assert finished == prepared and [data for batch in finished for data in batch] == [str(i) for i in range(6)]
-    finally:
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
+    consumer = PartitionConsumer(nc, partition, prepare, finish, batch=3, ack_wait_s=30.0)
+    consumer.start()
+    # A first write pins the partition to this consumer: until then a fetch takes two batches at once.
+    await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q", b"warm-up", stream=bus.WRITES_STREAM)
+    while len(steps) < 2:
+        await asyncio.sleep(0.01)
+    del steps[:2]
+    for i in range(6):
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_q{i}", str(i).encode(), stream=bus.WRITES_STREAM)
+    for _ in range(300):
+        if sum(len(batch) for step, batch in steps if step == "finished") == 6:
+            break
+        await asyncio.sleep(0.01)
+    await consumer.stop(timeout=10)
+    await consumer.release()
+    prepared = [batch for step, batch in steps if step == "prepared"]
+    finished = [batch for step, batch in steps if step == "finished"]
+    # The second batch was prepared while the first was still being finished; the batches finished in order.
+    assert [step for step, _ in steps[:3]] == ["prepared", "prepared", "finished"]
+    assert finished == prepared and [data for batch in finished for data in batch] == [str(i) for i in range(6)]
 
 
-async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: Settings, writers: list[Any]) -> None:
-    partition = settings.memories_partitions + 9  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=8, ack_wait=60.0)
+async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    partition, nc, js = await own_durable(9, max_ack_pending=8, ack_wait=60.0)
     handled: list[Msg] = []
 
     async def prepare(messages: Sequence[Msg]) -> Sequence[Msg]:
@@ -142,38 +150,31 @@ async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(settings: 
         for message in messages:
             await message.ack()
 
-    try:
-        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=60.0)
-        consumer.start()
-        await asyncio.sleep(0.5)  # idle: its fetch waits on the server for a first message
-        stopping = asyncio.create_task(consumer.stop(timeout=10))
-        await asyncio.sleep(0.1)
-        # A write published as the writer stops (a rolling deploy): it must not wait out the 60 s ack wait.
-        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_late", b"late", stream=bus.WRITES_STREAM)
-        await asyncio.wait_for(stopping, 10)
-        assert handled == []
-        await consumer.release()  # else the next replica would wait out the pin's timeout (65 s here)
-        successor = PinnedPull(nc, partition)
-        [message] = await successor.fetch(batch=1, wait_s=5)
-        assert message.data == b"late" and message.metadata.num_delivered == 2
-        await message.ack()
-        await successor.close()
-    finally:
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
+    consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=60.0)
+    consumer.start()
+    await asyncio.sleep(0.5)  # idle: its fetch waits on the server for a first message
+    stopping = asyncio.create_task(consumer.stop(timeout=10))
+    await asyncio.sleep(0.1)
+    # A write published as the writer stops (a rolling deploy): it must not wait out the 60 s ack wait.
+    await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_late", b"late", stream=bus.WRITES_STREAM)
+    await asyncio.wait_for(stopping, 10)
+    assert handled == []
+    await consumer.release()  # else the next replica would wait out the pin's timeout (65 s here)
+    successor = PinnedPull(nc, partition)
+    [message] = await successor.fetch(batch=1, wait_s=5)
+    assert message.data == b"late" and message.metadata.num_delivered == 2
+    await message.ack()
+    await successor.close()
 
 
 async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch_deadline(
-    settings: Settings, writers: list[Any], monkeypatch: pytest.MonkeyPatch
+    settings: Settings, writers: list[Any], own_durable: OwnDurable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # After a fetch times out, the server's answer to its expired request may arrive after the next fetch began:
     # nats-py took it for the answer to its new request and fell back to one that waits for a whole batch, so a
     # lone write waited for that fetch's deadline (up to 5 s in production; here a 0.3 s fetch, 5% of writes).
     monkeypatch.setattr(partitions, "FETCH_WAIT_S", 0.3)
-    partition = settings.memories_partitions + 10  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=8)
+    partition, nc, js = await own_durable(10, max_ack_pending=8)
     published: dict[bytes, float] = {}
     waited: list[float] = []
 
@@ -186,24 +187,20 @@ async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch
             await message.ack()
 
     gaps = random.Random(7)
-    try:
-        consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=30.0)
-        consumer.start()
-        for i in range(60):
-            await asyncio.sleep(gaps.uniform(0.05, 0.45))  # across fetch timeouts, at every point of one
-            published[str(i).encode()] = time.monotonic()
-            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_idle", str(i).encode(), stream=bus.WRITES_STREAM)
-        for _ in range(100):
-            if len(waited) == 60:
-                break
-            await asyncio.sleep(0.02)
-        await consumer.stop(timeout=10)
-        await consumer.release()
-        assert len(waited) == 60
-        assert [round(w, 3) for w in waited if w > 0.15] == []  # a lone write takes milliseconds
-    finally:
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
+    consumer = PartitionConsumer(nc, partition, prepare, finish, batch=8, ack_wait_s=30.0)
+    consumer.start()
+    for i in range(60):
+        await asyncio.sleep(gaps.uniform(0.05, 0.45))  # across fetch timeouts, at every point of one
+        published[str(i).encode()] = time.monotonic()
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_idle", str(i).encode(), stream=bus.WRITES_STREAM)
+    for _ in range(100):
+        if len(waited) == 60:
+            break
+        await asyncio.sleep(0.02)
+    await consumer.stop(timeout=10)
+    await consumer.release()
+    assert len(waited) == 60
+    assert [round(w, 3) for w in waited if w > 0.15] == []  # a lone write takes milliseconds
 
 
 class Replica:
@@ -252,15 +249,12 @@ async def _until(condition: Callable[[], bool], timeout: float) -> None:
 
 
 async def test_a_partition_is_one_replicas_at_a_time_and_passes_to_the_next_at_once_when_it_stops(
-    settings: Settings, writers: list[Any], monkeypatch: pytest.MonkeyPatch
+    settings: Settings, writers: list[Any], own_durable: OwnDurable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The waiting replica's pull requests must not hold up the other's: JetStream refuses a `no_wait` request
     # while another waits, and a fetch built on one waited for the waiting replica's request to expire.
     monkeypatch.setattr(partitions, "FETCH_WAIT_S", 4.0)
-    partition = settings.memories_partitions + 11  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=8)
+    partition, _nc, js = await own_durable(11, max_ack_pending=8)
     decided: list[tuple[str, str]] = []
     first, second = Replica("first", decided), Replica("second", decided)
     subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_pinned"
@@ -286,8 +280,6 @@ async def test_a_partition_is_one_replicas_at_a_time_and_passes_to_the_next_at_o
         assert time.monotonic() - started < 5
     finally:
         await second.stop()
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
 
 
 @pytest.mark.parametrize(
@@ -300,12 +292,9 @@ async def test_a_partition_is_one_replicas_at_a_time_and_passes_to_the_next_at_o
     ],
 )
 async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_published_after_them(
-    settings: Settings, writers: list[Any], hang_in: str, held_s: float
+    settings: Settings, writers: list[Any], own_durable: OwnDurable, hang_in: str, held_s: float
 ) -> None:
-    partition = settings.memories_partitions + 12  # a partition no running writer consumes
-    nc = await nats.connect(settings.nats_url)
-    js = nc.jetstream()
-    await _own_durable(js, partition, max_ack_pending=8, ack_wait=1.0)  # so pinned for 6 s without a pull
+    partition, _nc, js = await own_durable(12, max_ack_pending=8, ack_wait=1.0)  # so pinned for 6 s without a pull
     decided: list[tuple[str, str]] = []
     dying = asyncio.Event()
     crashing, survivor = Replica("crashing", decided, hang=dying, hang_in=hang_in), Replica("survivor", decided)
@@ -330,5 +319,3 @@ async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_p
         assert crashing.consumer is not None
         await crashing.consumer.stop(timeout=1)
         await survivor.stop()
-        await js.delete_consumer(bus.WRITES_STREAM, bus.writer_durable(partition))
-        await nc.close()
