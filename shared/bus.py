@@ -58,8 +58,8 @@ WRITERS_GROUP = "writers"
 """The priority group of every writer partition's durable: JetStream serves one replica of it at a time."""
 PIN_MARGIN_S = 5.0
 """How much longer than the ack wait a partition stays pinned to a writer that has stopped pulling. A live writer
-pulls (or tells the server it is alive) at least every 2 s (services.writer.partitions), so a crashed one's pin
-lapses after what it held is due again."""
+pulls (or tells the server it is alive) every 2 to 3 s at most (services.writer.partitions), so a crashed one's
+pin lapses after what it held is due again."""
 
 
 def partition_of(memory_id: str, partitions: int) -> int:

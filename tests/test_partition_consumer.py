@@ -319,3 +319,33 @@ async def test_a_crashed_replicas_writes_are_decided_by_the_next_before_writes_p
         assert crashing.consumer is not None
         await crashing.consumer.stop(timeout=1)
         await survivor.stop()
+
+
+async def test_a_replica_whose_pull_loop_died_does_not_keep_its_partition(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    # The replica stays alive (its keep-alive would hold the pin for ever), but it consumes nothing any more: the pin
+    # must lapse so that another replica carries on.
+    partition, _nc, js = await own_durable(13, max_ack_pending=8, ack_wait=1.0)  # pinned for 6 s without a pull
+    decided: list[tuple[str, str]] = []
+    broken, survivor = Replica("broken", decided), Replica("survivor", decided)
+    subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_broken"
+    try:
+        await broken.start(settings, partition, batch=4, ack_wait_s=1.0)
+        await js.publish(subject, b"0", stream=bus.WRITES_STREAM)
+        await _until(lambda: len(decided) == 1, 5)
+        assert broken.consumer is not None
+
+        async def bug(batch: int, wait_s: float) -> list[Msg]:
+            raise RuntimeError("a bug in the pull loop")
+
+        broken.consumer._pull.fetch = bug  # type: ignore[method-assign]
+        loop = broken.consumer._loop
+        await _until(lambda: loop is not None and loop.done(), 5)  # once the pull under way ends
+        await survivor.start(settings, partition, batch=4, ack_wait_s=1.0)
+        await js.publish(subject, b"1", stream=bus.WRITES_STREAM)
+        await _until(lambda: len(decided) == 2, 15)
+        assert decided == [("broken", "0"), ("survivor", "1")]
+    finally:
+        await survivor.stop()
+        await broken.stop()

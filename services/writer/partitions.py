@@ -108,8 +108,8 @@ class PinnedPull:
         """Runs while the replica consumes the partition. A pin lapses PIN_MARGIN_S after the ack wait without a
         pull; writes held that long without a pull (kept in progress) would be fetched by the next replica after
         later ones. A request that can deliver nothing (at most 1 byte) counts as a pull: the server answers it
-        409, on a reply subject no request waits on."""
-        while True:
+        409 (408 when nothing is queued), on a reply subject no request waits on. Ends with the connection."""
+        while not self._nc.is_closed:
             await asyncio.sleep(KEEP_PIN_EVERY_S)
             if self.pin is None or self._answering is not None:
                 continue
@@ -152,6 +152,8 @@ class PinnedPull:
                     self.pin = None
                     return
                 elif status != "100":  # 100: a heartbeat
+                    if status == "400":  # e.g. the consumer lost its priority group (docs/operations.md): no pin now
+                        self.pin = None
                     if messages:
                         return
                     raise nats.js.errors.APIError.from_msg(answer)
@@ -224,7 +226,17 @@ class PartitionConsumer(Generic[Prepared]):
 
     def start(self) -> None:
         self._loop = asyncio.create_task(self._consume(), name=f"writer-partition-{self.partition}")
+        self._loop.add_done_callback(self._loop_ended)
         self._keeping_pin = asyncio.create_task(self._pull.keep_pin(), name=f"writer-partition-{self.partition}-pin")
+
+    def _loop_ended(self, loop: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        # A bug: the partition must not stay pinned to a replica that no longer consumes it.
+        if self._keeping_pin is not None:
+            self._keeping_pin.cancel()
+        if not loop.cancelled():
+            log.error("consuming partition %s ended", self.partition, exc_info=loop.exception())
 
     async def stop(self, timeout: float) -> None:
         """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered.
@@ -238,19 +250,21 @@ class PartitionConsumer(Generic[Prepared]):
         if self._loop is not None:
             if not (await asyncio.wait({self._loop}, timeout=timeout))[0]:
                 self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+            await asyncio.wait({self._loop})  # however it ends (a loop that failed was logged as it ended)
         if self._in_hand:
             await asyncio.wait(self._in_hand, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
 
     async def release(self) -> None:
         """After `stop` and after the writes it set aside are decided or handed back: the partition goes to a
         waiting replica at once. Released earlier, that replica could fetch a memory's later writes before them;
-        so a batch still in hand past the stop's budget keeps the partition pinned here until the pin lapses."""
+        so a batch still in hand past the stop's budget keeps the partition pinned here, kept alive until the
+        connection closes (its messages are kept in progress as long), and then until the pin lapses."""
+        if self._in_hand:
+            await self._pull.close()
+            return
         if self._keeping_pin is not None:
             self._keeping_pin.cancel()
-        if not self._in_hand:
-            await self._pull.release()
+        await self._pull.release()
         await self._pull.close()
 
     async def _consume(self) -> None:
