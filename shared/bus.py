@@ -202,7 +202,7 @@ def writer_consumer(partition: int, *, max_ack_pending: int, ack_wait_s: float) 
     and keeps the others' waiting, until that replica gives the partition up as it stops, or has not pulled for
     PIN_MARGIN_S longer than the ack wait (it crashed). By then what it held is due to be delivered again, so the
     next replica fetches it before anything published later. (A consumer leader change on a cluster clears the
-    pin too: docs/reliability.md.)"""
+    pin too; the replica it moves to waits for what the former holder still has: services.writer.partitions.)"""
     return PinnedConsumerConfig(
         durable_name=writer_durable(partition),
         name=writer_durable(partition),

@@ -6,6 +6,7 @@ the batches still finished in order."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -207,12 +208,14 @@ class Replica:
     """A writer replica of one partition, on its own connection: records what it decides, in order."""
 
     def __init__(
-        self, name: str, decided: list[tuple[str, str]], *, hang: asyncio.Event | None = None, hang_in: str = "finish"
+        self, name: str, decided: list[tuple[str, str]], *, hang: asyncio.Event | None = None, hang_in: str = "finish",
+        gate: asyncio.Event | None = None,
     ) -> None:
         self.name = name
         self._decided = decided
         self._hang = hang  # a stage waits for it, then nothing is acknowledged (a replica dying with its batches)
         self._hang_in = hang_in
+        self._gate = gate  # finish waits for it, then decides (a replica slow to decide)
         self.nc: Any = None
         self.consumer: PartitionConsumer[Sequence[Msg]] | None = None
 
@@ -230,6 +233,8 @@ class Replica:
         if self._hang is not None:
             await self._hang.wait()
             return
+        if self._gate is not None:
+            await self._gate.wait()
         for message in messages:
             self._decided.append((self.name, message.data.decode()))
             await message.ack()
@@ -349,3 +354,35 @@ async def test_a_replica_whose_pull_loop_died_does_not_keep_its_partition(
     finally:
         await survivor.stop()
         await broken.stop()
+
+
+async def test_a_replica_given_a_partition_another_still_holds_writes_of_decides_after_them(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    # The pin moves while its holder is deciding (on a cluster, when the consumer's leader changes; here, as an
+    # operator's unpin does it): the new holder must not decide later writes before the ones the former still has.
+    partition, nc, js = await own_durable(14, max_ack_pending=8)
+    decided: list[tuple[str, str]] = []
+    deciding = asyncio.Event()
+    former, successor = Replica("former", decided, gate=deciding), Replica("successor", decided)
+    subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_moved"
+    try:
+        await former.start(settings, partition, batch=4, ack_wait_s=30.0)
+        for i in range(3):
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+        for _ in range(250):
+            if (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(partition))).num_ack_pending == 3:
+                break
+            await asyncio.sleep(0.02)
+        await successor.start(settings, partition, batch=4, ack_wait_s=30.0)
+        unpin = f"$JS.API.CONSUMER.UNPIN.{bus.WRITES_STREAM}.{bus.writer_durable(partition)}"
+        await nc.request(unpin, json.dumps({"group": bus.WRITERS_GROUP}).encode(), timeout=2)
+        await js.publish(subject, b"3", stream=bus.WRITES_STREAM)  # fetched by the successor, now pinned
+        await asyncio.sleep(1.0)
+        deciding.set()  # the former holder decides what it holds
+        await _until(lambda: len(decided) == 4, 10)
+        assert decided == [("former", "0"), ("former", "1"), ("former", "2"), ("successor", "3")]
+    finally:
+        deciding.set()
+        await successor.stop()
+        await former.stop()

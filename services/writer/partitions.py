@@ -46,6 +46,11 @@ TAKEOVER_WAIT_S = 0.05
 """The same, for a replica the partition is not pinned to yet: a crashed replica's writes, all due at once, reach
 the server's delivery queue over a few milliseconds (measured: one fetch in 40 took 4 of 32 with a 1 ms wait)."""
 
+HOLD_OFF_ACK_WAITS = 2
+HOLD_OFF_PULL_S = 0.5
+"""A replica just given a partition that another still holds writes of waits for them (`_after_the_former_holder`)
+at most this many ack waits, pulling this often for the ones that come back."""
+
 KEEP_PIN_EVERY_S = 1.0
 """How often a replica that holds a partition and has no pull open (its loop waits for a slow batch, or for a
 database that is down) tells the server it is alive, so the pin outlasts what the replica holds."""
@@ -183,6 +188,13 @@ class PinnedPull:
         else:  # delivered for a request given up on, none under way: back to the stream now, not after the ack wait
             await bus.hand_back([message])
 
+    async def unacknowledged(self) -> int:
+        """Messages of the partition delivered to any replica and not yet acknowledged."""
+        info = json.loads((await self._nc.request(self._info_subject, b"", timeout=2)).data)
+        if "error" in info:
+            raise nats.js.errors.APIError(description=str(info["error"]))
+        return int(info["num_ack_pending"])
+
     async def release(self) -> None:
         """Give the partition up at once (a stopping writer), so that a waiting replica need not wait out the
         pin's timeout. Only if it is still pinned here: unpinning another replica would move the partition for
@@ -220,6 +232,7 @@ class PartitionConsumer(Generic[Prepared]):
         self._ack_wait_s = ack_wait_s
         self._loop: asyncio.Task[None] | None = None
         self._in_hand: set[asyncio.Task[None]] = set()
+        self._held: list[Msg] = []  # fetched and not yet acknowledged (in batches in hand, or set aside)
         self._pull = PinnedPull(nc, partition)
         self._keeping_pin: asyncio.Task[None] | None = None
         self._stopping = False
@@ -273,14 +286,18 @@ class PartitionConsumer(Generic[Prepared]):
             # Until this replica holds the partition, a pull may be the first after a crashed replica's: it asks
             # for all that one could have held, so that those writes come back in one batch, in order.
             batch = self._batch if self._pull.pin is not None else bus.WRITE_BATCHES_IN_HAND * self._batch
+            pinned_before = self._pull.pin
             try:
                 messages = await self._pull.fetch(batch=batch, wait_s=FETCH_WAIT_S)
+                if messages and self._pull.pin != pinned_before:
+                    messages = await self._after_the_former_holder(messages)
             except nats.errors.Error as exc:  # reconnecting, or the stream's leader is being elected
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
                 await asyncio.sleep(1.0)
                 continue
             if not messages:
                 continue
+            self._held = [message for message in self._held if not message.is_acked] + messages
             if self._stopping:  # fetched while stopping: another replica (or the next start) takes them now
                 await bus.hand_back(messages)
                 return
@@ -298,6 +315,23 @@ class PartitionConsumer(Generic[Prepared]):
             if previous is not None:
                 await asyncio.wait({previous})
             previous = current
+
+    async def _after_the_former_holder(self, messages: list[Msg]) -> list[Msg]:
+        """The partition was just pinned here. If another replica still holds some of its writes (it lost the pin
+        while deciding them: the consumer's leader changed on a cluster, it was cut off from NATS, an operator
+        unpinned it), those are older than what was fetched: nothing is decided until they are acknowledged or come
+        back here (then they join the batch, in order), or HOLD_OFF_ACK_WAITS ack waits have passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOLD_OFF_ACK_WAITS * self._ack_wait_s + bus.PIN_MARGIN_S
+        held_here = sum(not message.is_acked for message in self._held)
+        async with bus.kept_in_progress(messages, self._ack_wait_s):
+            while not self._stopping and loop.time() < deadline:
+                elsewhere = await self._pull.unacknowledged() - held_here - len(messages)
+                if elsewhere <= 0:
+                    break
+                log.info("partition %s: waiting for %s writes another replica holds", self.partition, elsewhere)
+                messages += await self._pull.fetch(batch=self._batch, wait_s=HOLD_OFF_PULL_S)
+        return messages
 
     async def _handle(self, messages: Sequence[Msg], previous: asyncio.Task[None] | None, prepared: asyncio.Event) -> None:
         try:
