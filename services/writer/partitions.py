@@ -322,15 +322,21 @@ class PartitionConsumer(Generic[Prepared]):
         unpinned it), those are older than what was fetched: nothing is decided until they are acknowledged or come
         back here (then they join the batch, in order), or HOLD_OFF_ACK_WAITS ack waits have passed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + HOLD_OFF_ACK_WAITS * self._ack_wait_s + bus.PIN_MARGIN_S
+        started = loop.time()
+        deadline = started + HOLD_OFF_ACK_WAITS * self._ack_wait_s + bus.PIN_MARGIN_S
         held_here = sum(not message.is_acked for message in self._held)
+        waited = False
         async with bus.kept_in_progress(messages, self._ack_wait_s):
             while not self._stopping and loop.time() < deadline:
                 elsewhere = await self._pull.unacknowledged() - held_here - len(messages)
                 if elsewhere <= 0:
                     break
-                log.info("partition %s: waiting for %s writes another replica holds", self.partition, elsewhere)
+                if not waited:
+                    log.info("partition %s: waiting for %s writes another replica holds", self.partition, elsewhere)
+                    waited = True
                 messages += await self._pull.fetch(batch=self._batch, wait_s=HOLD_OFF_PULL_S)
+        if waited:
+            log.info("partition %s: deciding again after %.1f s", self.partition, loop.time() - started)
         return messages
 
     async def _handle(self, messages: Sequence[Msg], previous: asyncio.Task[None] | None, prepared: asyncio.Event) -> None:
