@@ -140,7 +140,7 @@ async def sessions(settings: Settings) -> AsyncIterator[async_sessionmaker[Async
 
 @pytest_asyncio.fixture(scope="session")
 async def writers(settings: Settings) -> AsyncIterator[list[Writer]]:
-    """Two writer replicas, both bound to every partition, as an operator would scale them."""
+    """Two writer replicas, both pulling every partition (JetStream serves each to one), as an operator would scale them."""
     replicas = [Writer(settings), Writer(settings)]
     for writer in replicas:
         await writer.start()

@@ -43,7 +43,7 @@ def report(name: str, load: Load, started: float, **facts: object) -> None:
 
 @pytest_asyncio.fixture(scope="module")
 async def system() -> AsyncIterator[System]:
-    """Two writer replicas bound to every partition, as an operator scales them."""
+    """Two writer replicas pulling every partition (JetStream serves each to one), as an operator scales them."""
     with running_system() as started:
         await started.ensure_running(WRITERS)
         yield started

@@ -171,9 +171,10 @@ async def test_stopping_hands_back_at_once_what_the_last_fetch_brings(
 async def test_a_lone_write_after_an_idle_fetch_is_not_held_until_the_next_fetch_deadline(
     settings: Settings, writers: list[Any], own_durable: OwnDurable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # After a fetch times out, the server's answer to its expired request may arrive after the next fetch began:
-    # nats-py took it for the answer to its new request and fell back to one that waits for a whole batch, so a
-    # lone write waited for that fetch's deadline (up to 5 s in production; here a 0.3 s fetch, 5% of writes).
+    # A pull returns as soon as a first write comes, whatever point of a pull it comes at, not when the batch is full
+    # or the pull expires. (With nats-py's fetch, a timed-out request's late 408 was taken for the next one's answer
+    # and a lone write waited for that fetch's deadline: 5% of writes here, with a 0.3 s fetch. Each request has
+    # its own reply subject now.)
     monkeypatch.setattr(partitions, "FETCH_WAIT_S", 0.3)
     partition, nc, js = await own_durable(10, max_ack_pending=8)
     published: dict[bytes, float] = {}

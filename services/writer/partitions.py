@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -118,25 +118,26 @@ class PinnedPull:
             await asyncio.sleep(KEEP_PIN_EVERY_S)
             if self.pin is None or self._answering is not None:
                 continue
-            request = {"batch": 1, "max_bytes": 1, "expires": 1_000_000, "group": bus.WRITERS_GROUP, "id": self.pin}
             with contextlib.suppress(nats.errors.Error):
-                await self._nc.publish(
-                    self._next_subject, json.dumps(request).encode(), reply=f"{self._inbox}.{next(self._requests)}"
-                )
+                await self._ask(f"{self._inbox}.{next(self._requests)}", batch=1, max_bytes=1, expires=1_000_000)
+
+    async def _ask(self, reply: str, **fields: int) -> None:
+        """Send a pull request of the group, naming the pin this replica holds, if any."""
+        request: dict[str, object] = {**fields, "group": bus.WRITERS_GROUP}
+        if self.pin is not None:
+            request["id"] = self.pin
+        await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=reply)
 
     async def _request(self, count: int, expires_s: float, messages: list[Msg]) -> None:
         reply = f"{self._inbox}.{next(self._requests)}"
         answers: asyncio.Queue[Msg] = asyncio.Queue()
         self._answering = (reply, answers)
-        request: dict[str, object] = {"batch": count, "expires": int(expires_s * 1e9), "group": bus.WRITERS_GROUP}
-        if self.pin is not None:
-            request["id"] = self.pin
         loop = asyncio.get_running_loop()
         deadline = loop.time() + expires_s + ANSWER_GRACE_S
         wanted = len(messages) + count
         reconnects = self._nc.stats["reconnects"]
         try:
-            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=reply)
+            await self._ask(reply, batch=count, expires=int(expires_s * 1e9))
             while len(messages) < wanted:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -188,12 +189,16 @@ class PinnedPull:
         else:  # delivered for a request given up on, none under way: back to the stream now, not after the ack wait
             await bus.hand_back([message])
 
-    async def unacknowledged(self) -> int:
-        """Messages of the partition delivered to any replica and not yet acknowledged."""
-        info = json.loads((await self._nc.request(self._info_subject, b"", timeout=2)).data)
+    async def _consumer_info(self) -> dict[str, Any]:
+        """The durable's state as the server reports it (nats-py's ConsumerInfo has no priority groups)."""
+        info: dict[str, Any] = json.loads((await self._nc.request(self._info_subject, b"", timeout=2)).data)
         if "error" in info:
             raise nats.js.errors.APIError(description=str(info["error"]))
-        return int(info["num_ack_pending"])
+        return info
+
+    async def unacknowledged(self) -> int:
+        """Messages of the partition delivered to any replica and not yet acknowledged."""
+        return int((await self._consumer_info())["num_ack_pending"])
 
     async def release(self) -> None:
         """Give the partition up at once (a stopping writer), so that a waiting replica need not wait out the
@@ -203,8 +208,8 @@ class PinnedPull:
         if pin is None:
             return
         with contextlib.suppress(nats.errors.Error, ValueError):
-            info = json.loads((await self._nc.request(self._info_subject, b"", timeout=2)).data)
-            if any(group.get("pinned_client_id") == pin for group in info.get("priority_groups") or []):
+            groups = (await self._consumer_info()).get("priority_groups") or []
+            if any(group.get("pinned_client_id") == pin for group in groups):
                 await self._nc.request(self._unpin_subject, json.dumps({"group": bus.WRITERS_GROUP}).encode(), timeout=2)
 
     async def close(self) -> None:
