@@ -38,6 +38,8 @@ WRITE_MEMORY_TOOL: dict[str, Any] = {
 
 _CONTENT = TypeAdapter(WrittenContent)
 
+PENDING_MESSAGE = "The fact is accepted and will be stored shortly; do not write it again."
+
 
 def content_problem(content: Any) -> str | None:
     """What is wrong with a model's `content` argument, told back to the model as the tool's `{error}`; None
@@ -61,7 +63,9 @@ async def call_write_memory(
     timeout: float,
 ) -> dict[str, Any]:
     """Execute one `write_memory` tool call, its `content` as the model gave it; the result goes back to the
-    model: `{action, entry_id}` or `{error}`. The caller has checked that `write_memory_id` is a memory of
+    model: `{action, entry_id}`, `{error}`, or `{status: "pending", write_id, message}` when the writer has not
+    decided within `timeout` (the write is queued and will be applied: an error there would have the model write
+    the fact again). The caller has checked that `write_memory_id` is a memory of
     `project_id`."""
     memory_id = agent.knowledge_config.write_memory_id
     if not memory_id:
@@ -76,7 +80,7 @@ async def call_write_memory(
     except bus.BusUnavailable:
         return {"error": "memory is unavailable right now; try again later"}
     if outcome is None:
-        return {"error": "the write was queued but not confirmed in time", "write_id": event.write_id}
+        return {"status": "pending", "write_id": event.write_id, "message": PENDING_MESSAGE}
     if outcome.error is not None:
         return {"error": outcome.error.message}
     return {"action": str(outcome.action), "entry_id": outcome.entry_id}

@@ -240,17 +240,27 @@ async def test_api_keys_scope_and_revocation(
 
 
 async def test_a_pending_write_is_a_result_too(settings: Settings, target: Memory) -> None:
+    """Not decided in time, a REST write and a tool call both answer pending with the write to follow; neither is
+    an error, since the write is applied all the same (a model told "error" would write the fact again)."""
     impatient = settings.model_copy(update={"memories_write_timeout_s": 0.001})
+    agent = {"id": "agent_1", "knowledge_config": {"write_memory_id": target.id, "extraction": False}}
     async for http in open_client(impatient):
         async with AsyncMemoriesClient(http=http) as memories:
             pending = await memories.create_entry(target.id, "A fact the writer decides later")
             assert (pending.status, pending.action, pending.entry) == ("pending", None, None)
-            for _ in range(200):
-                status = await memories.get_write(pending.write_id)
-                if status.status != "pending":
-                    break
-                await asyncio.sleep(0.05)
-            assert status.status == "applied" and status.action is WriteAction.CREATED and status.entry_id
+            tool = await memories.write_memory("A fact the model gave late", agent, project_id=target.project_id)
+            assert (tool.status, tool.action, tool.error, tool.entry_id) == ("pending", None, None, None)
+            assert tool.message and "do not write it again" in tool.message
+            for write_id, content in ((pending.write_id, "A fact the writer decides later"),
+                                      (tool.write_id, "A fact the model gave late")):
+                assert write_id
+                for _ in range(200):
+                    status = await memories.get_write(write_id)
+                    if status.status != "pending":
+                        break
+                    await asyncio.sleep(0.05)
+                assert status.status == "applied" and status.action is WriteAction.CREATED and status.entry_id
+                assert (await memories.get_entry(status.entry_id)).content == content
 
 
 async def test_the_blocking_client_over_http(api_url: str) -> None:

@@ -128,12 +128,15 @@ class KnowledgeContext(Result):
 
 
 class ToolResult(Result):
-    """What goes back to the model: `{action, entry_id}`, `{error}`, or a pending `write_id`."""
+    """What goes back to the model: `{action, entry_id}`, `{error}`, or `status` "pending" with the `write_id`
+    to follow (`get_write`) and a `message` telling the model not to write the fact again."""
 
     action: WriteAction | None = None
     entry_id: str | None = None
     error: str | None = None
+    status: str | None = None
     write_id: str | None = None
+    message: str | None = None
 
 
 class GenerationAccepted(Result):

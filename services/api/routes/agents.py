@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
@@ -53,7 +53,11 @@ class ToolResult(BaseModel):
     action: str | None = None
     entry_id: str | None = None
     error: str | None = None
+    status: Literal["pending"] | None = Field(
+        default=None, description="pending: not decided in time, queued and applied later (see /memory-writes)"
+    )
     write_id: str | None = None
+    message: str | None = None
 
 
 @router.get("/tools/write_memory", summary="The write_memory tool definition (OpenAI tool format)")
