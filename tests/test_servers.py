@@ -1,4 +1,5 @@
-"""The embedded servers start, serve, stop and restart on the same data dir with their data intact."""
+"""The embedded servers start, serve, stop and restart on the same data dir with their data intact; connections
+to them give up on a server that hangs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 from nats.js.api import StorageType
 
 from shared import servers
+from shared.db.session import create_engine
 from shared.servers import EmbeddedNats, EmbeddedPostgres, ServerStartError, start_nats_cluster
+from shared.settings import Settings
 
 real_free_port = servers.free_port
 
@@ -162,3 +165,28 @@ def test_a_port_taken_meanwhile_is_replaced(tmp_path: Path, monkeypatch: pytest.
             assert "address already in use" in (tmp_path / "nats" / "nats-server.log").read_text().lower()
         with pytest.raises(ServerStartError, match="(?i)address already in use"):  # a fixed port is kept
             EmbeddedNats(tmp_path / "nats2", port=taken).start()
+
+
+async def test_database_connections_give_up_on_a_vanished_server(settings: Settings) -> None:
+    """libpq bounds a wait on a host that vanished without closing the connection (TCP keepalives and the user
+    timeout; the kernel's defaults wait about two hours). A setting the URL makes itself is kept."""
+    assert settings.database_url
+
+    async def parameters(url: str) -> dict[str, str]:
+        engine = create_engine(url, pool_size=1)
+        try:
+            async with engine.connect() as connection:
+                raw = await connection.get_raw_connection()
+                return dict(raw.driver_connection.info.get_parameters())  # type: ignore[union-attr]
+        finally:
+            await engine.dispose()
+
+    chosen = await parameters(settings.database_url)
+    assert {name: chosen.get(name) for name in ("keepalives", "keepalives_idle", "keepalives_count",
+                                                "tcp_user_timeout", "connect_timeout")} == {
+        "keepalives": "1", "keepalives_idle": "15", "keepalives_count": "6", "tcp_user_timeout": "45000",
+        "connect_timeout": "5",
+    }
+    separator = "&" if "?" in settings.database_url else "?"
+    operators = await parameters(f"{settings.database_url}{separator}keepalives_idle=120")
+    assert (operators["keepalives_idle"], operators["keepalives_interval"]) == ("120", "5")

@@ -8,9 +8,23 @@ from typing import Any
 import psycopg
 from pgvector.psycopg.vector import register_vector_info
 from psycopg.types import TypeInfo
-from sqlalchemy import event
+from sqlalchemy import event, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+# A dead server must surface as an error quickly (a 503, a write waited out and retried), not hang. libpq's TCP
+# settings bound a wait on a server whose host vanished without closing the connection (a failover, a dropped
+# route): with the kernel's defaults a statement waiting for its answer would wait about two hours for the
+# first keepalive probe, and a writer would keep its partitions (and their pins) the whole time. Here it is
+# given up after ~45 s, as a hung NATS server is (shared.bus.connect).
+CONNECTION_DEFAULTS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 15,
+    "keepalives_interval": 5,
+    "keepalives_count": 6,
+    "tcp_user_timeout": 45_000,  # ms: data sent and never acknowledged
+}
 
 
 def create_engine(
@@ -25,13 +39,14 @@ def create_engine(
     and a new PostgreSQL backend costs more than the queries it runs. `pre_ping` costs a round trip per
     checkout; a consumer whose failed message is redelivered anyway can do without it. `lock_timeout_s`:
     how long a statement may wait for a lock before it fails (SQLSTATE 55P03); unset, for as long as it takes."""
+    url = make_url(database_url)
     engine = create_async_engine(
-        database_url,
+        url,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_pre_ping=pre_ping,
-        # A dead server must surface as an error quickly (503), not hang a request.
-        connect_args={"connect_timeout": 5},
+        # What the URL sets itself is kept: an operator's choice for their network.
+        connect_args={name: value for name, value in CONNECTION_DEFAULTS.items() if name not in url.query},
     )
     settings = ["SET hnsw.iterative_scan = strict_order"]
     if lock_timeout_s is not None:
