@@ -158,6 +158,42 @@ async def test_concurrent_calls_agree_with_a_sequential_one() -> None:
             assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
+async def test_words_the_vocabulary_cannot_spell_are_told_apart() -> None:
+    """Each word the English vocabulary cannot spell is one [UNK], all alike: these pairs were one vector each
+    (cosine 1.0), and a write of the second was skipped as a copy of the first. A stand-in per word tells them
+    apart, the same word always alike, in any window."""
+    assert _all_tokens("User likes 🥦").tokens == ["[CLS]", "user", "likes", "[UNK]", "[SEP]"]
+    pairs = [
+        ("User likes 🍕", "User likes 🥦"),
+        ("ผู้ใช้อาศัยอยู่ในกรุงเทพ", "ผู้ใช้ไม่ชอบกาแฟ"),  # Thai: a sentence is one word to this tokenizer
+        ("Customer ሰላም prefers email", "Customer ልዑል prefers email"),
+        (f"{PREAMBLE} The code word is ሰላም.", f"{PREAMBLE} The code word is ልዑል."),  # past the first window
+    ]
+    vectors = await embed_texts([text for pair in pairs for text in pair], model=LOCAL_MODEL)
+    scores = [cosine(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    assert max(scores[:3]) < 0.9, scores
+    assert scores[3] < 0.999, scores  # one word of ~400 apart, as a known word would be
+    same_word, other_case = await embed_texts(["Customer ሰላም prefers email", "CUSTOMER ሰላም PREFERS EMAIL"], model=LOCAL_MODEL)
+    assert cosine(same_word, other_case) > 0.999  # an uncased model: case changes nothing, unknown words included
+
+
+def test_texts_the_vocabulary_spells_get_the_models_own_vectors() -> None:
+    """The stand-ins touch [UNK] tokens only: a spelled text is pooled from the tokenizer's own ids."""
+    import numpy as np
+
+    from shared.embeddings import _onnx
+
+    encoder = _onnx.get_encoder()
+    session, tokenizer = encoder._load()
+    text = SENTENCES[0]
+    ids = np.array([tokenizer.encode(text).ids])
+    (hidden,) = session.run(
+        ["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    )
+    expected = hidden[0].mean(axis=0)
+    assert float(np.abs(encoder.encode([text])[0] - expected / np.linalg.norm(expected)).max()) < 1e-6
+
+
 async def test_paraphrases_score_clearly_higher_than_unrelated_text() -> None:
     anchor, paraphrase, unrelated = await embed_texts(SENTENCES[:3], model=LOCAL_MODEL)
     close, far = cosine(anchor, paraphrase), cosine(anchor, unrelated)

@@ -47,6 +47,19 @@ async def test_threshold_decides_near_duplicates(client: httpx.AsyncClient, memo
     assert strict.status_code == 201 and strict.json()["action"] == "created"
 
 
+async def test_facts_in_words_the_local_model_cannot_spell_are_not_lost_as_copies(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    """Thai, Amharic, emoji: the English vocabulary has no word for them. They were all one token to the model,
+    so each second fact here scored 1.0 against the first and was skipped: a fact lost without a word."""
+    facts = ["User likes 🍕", "User likes 🥦", "ผู้ใช้อาศัยอยู่ในกรุงเทพ", "ผู้ใช้ไม่ชอบกาแฟ", "ሰላም ልዑል", "ሰላም ዓለም"]
+    for fact in facts:
+        written = await write(client, memory["id"], fact)
+        assert (written.status_code, written.json()["action"]) == (201, "created"), fact
+    again = await write(client, memory["id"], "ผู้ใช้ไม่ชอบกาแฟ")
+    assert again.json()["action"] == "skipped"
+
+
 @pytest.mark.parametrize(
     ("fields", "status"),
     [

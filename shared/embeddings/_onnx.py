@@ -5,6 +5,13 @@ cut into overlapping windows that are embedded like texts of their own, and its 
 token-weighted mean: truncating instead would make everything past the first ~1,000 characters
 invisible (entries differing only late would look identical, late facts unsearchable).
 
+The vocabulary is English WordPiece: a word it cannot spell (Thai, Amharic, Khmer, emoji, a word of over 100
+characters) becomes [UNK], and every [UNK] is the same token, so "User likes 🍕" and "User likes 🥦" would
+get one vector and the second be skipped as a copy of the first. Each such word is shown to the model as a
+stand-in instead: a whole word of the vocabulary picked by a hash of the unknown word, so distinct unknown words
+look like distinct words and the same one always like the same. Texts the vocabulary spells get the vectors
+they always had.
+
 Synchronous and CPU-bound on purpose; the async callers push it to a worker thread.
 """
 
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +60,8 @@ class MiniLMEncoder:
         self._lock = threading.Lock()
         self._session: onnxruntime.InferenceSession | None = None
         self._tokenizer: Tokenizer | None = None
+        self._unknown_id = -1
+        self._stand_ins: tuple[int, ...] = ()
 
     def _load(self) -> tuple[onnxruntime.InferenceSession, Tokenizer]:
         session, tokenizer = self._session, self._tokenizer
@@ -72,6 +82,13 @@ class MiniLMEncoder:
         # each wrapped in its own [CLS] … [SEP], in `Encoding.overflowing`.
         tokenizer.enable_truncation(max_length=MAX_TOKENS, stride=WINDOW_OVERLAP)
         tokenizer.no_padding()
+        vocabulary = tokenizer.get_vocab()
+        self._unknown_id = vocabulary["[UNK]"]
+        # Whole words of four letters or more (no pieces, no special or unused tokens): trained embeddings that
+        # read as a word. Sorted by id, so a word's stand-in is fixed by the vendored tokenizer file.
+        self._stand_ins = tuple(
+            sorted(i for token, i in vocabulary.items() if len(token) >= 4 and token.isascii() and token.isalpha())
+        )
         return tokenizer
 
     def _make_session(self) -> onnxruntime.InferenceSession:
@@ -116,6 +133,8 @@ class MiniLMEncoder:
                 later_windows.append((i, range(len(windows), len(windows) + len(rest))))
                 windows += rest
                 lengths += [len(window) for window in rest]
+        texts_of = [*texts, *(texts[i] for i, positions in later_windows for _ in positions)]
+        token_ids = [self._visible_ids(window, text) for window, text in zip(windows, texts_of, strict=True)]
         pooled = np.empty((len(windows), DIMENSIONS), dtype=np.float32)
         order = sorted(range(len(windows)), key=lengths.__getitem__)
         start = 0
@@ -125,7 +144,7 @@ class MiniLMEncoder:
             while rows > 1 and lengths[order[min(start + rows, len(order)) - 1]] * rows > _TOKEN_BUDGET:
                 rows //= 2
             chunk = order[start : start + rows]
-            pooled[chunk] = self._pool(session, [windows[i] for i in chunk])
+            pooled[chunk] = self._pool(session, [token_ids[i] for i in chunk])
             start += len(chunk)
         for i, positions in later_windows:
             # Weighted by token count, this is the mean over all the text's tokens (overlaps counted
@@ -137,18 +156,29 @@ class MiniLMEncoder:
         unit: np.ndarray = vectors / np.clip(norms, 1e-12, None)
         return unit, sum(lengths)
 
+    def _visible_ids(self, window: Encoding, text: str) -> list[int]:
+        """The window's token ids, each [UNK] replaced by its word's stand-in (the module's docstring says why)."""
+        ids: list[int] = window.ids
+        if self._unknown_id not in ids:
+            return ids
+        return [
+            self._stand_ins[zlib.crc32(text[start:end].casefold().encode()) % len(self._stand_ins)]
+            if token == self._unknown_id
+            else token
+            for token, (start, end) in zip(ids, window.offsets, strict=True)
+        ]
+
     @staticmethod
-    def _pool(session: onnxruntime.InferenceSession, windows: list[Encoding]) -> np.ndarray:
-        """Each window's token states averaged over its attention mask; not yet normalised."""
+    def _pool(session: onnxruntime.InferenceSession, windows: list[list[int]]) -> np.ndarray:
+        """Each window's token states averaged over its tokens; not yet normalised. A window is its token ids,
+        [CLS] … [SEP], one sentence (token type 0)."""
         width = max(len(w) for w in windows)
         ids = np.zeros((len(windows), width), dtype=np.int64)  # 0 is [PAD]
         mask = np.zeros_like(ids)
         types = np.zeros_like(ids)
         for row, w in enumerate(windows):
-            n = len(w)
-            ids[row, :n] = w.ids
-            mask[row, :n] = w.attention_mask
-            types[row, :n] = w.type_ids
+            ids[row, : len(w)] = w
+            mask[row, : len(w)] = 1
         (hidden,) = session.run(
             ["last_hidden_state"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         )
