@@ -142,6 +142,7 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
 
 class QuickHeadTimeout(BoundedHeadHttpTools):
     head_timeout_s = 0.5
+    body_timeout_s = 0.5
 
 
 async def test_a_request_head_that_never_completes_is_answered_408_and_closed() -> None:
@@ -162,6 +163,28 @@ async def test_a_request_head_that_never_completes_is_answered_408_and_closed() 
         request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
         answered = await asyncio.to_thread(raw_exchange, port, request, request, pause=0.8)
         assert answered.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in answered
+
+
+async def test_a_request_body_that_never_completes_is_answered_408_and_closed() -> None:
+    app = FastAPI()
+    bodies: list[bytes] = []
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        bodies.append(await request.body())
+        return {"bytes": len(bodies[-1])}
+
+    async with served(app, QuickHeadTimeout) as port:
+        head = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n"
+        counted = refused_by_the_protocol(408)
+        # Four bytes of ten, then nothing: the connection was held for ever (uvicorn has no body timeout).
+        stalled = await asyncio.to_thread(raw_exchange, port, head + b"abcd", pause=0.8)
+        assert stalled.startswith(b"HTTP/1.1 408 ") and b"request body must arrive" in stalled, stalled
+        assert refused_by_the_protocol(408) == counted + 1 and bodies == []
+        # A body that arrives in parts within the time is read whole, and the next request on the connection too.
+        answered = await asyncio.to_thread(raw_exchange, port, head + b"abcd", b"efghij" + head, b"0123456789", pause=0.3)
+        assert answered.count(b'{"bytes":10}') == 2 and b"408" not in answered, answered
+        assert bodies == [b"abcdefghij", b"0123456789"]
 
 
 async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_error(settings: Settings) -> None:

@@ -1,10 +1,11 @@
 """Refuse oversized requests before they are read into memory: bodies (an ASGI middleware) and heads (the HTTP
-protocol, where the headers are parsed); and heads that take too long to arrive."""
+protocol, where the headers are parsed); and requests that take too long to arrive."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -62,54 +63,74 @@ HEAD_TIMEOUT_S = 15.0
 connection idle between requests, but would wait for ever for a head that never comes or trickles in."""
 
 
+BODY_TIMEOUT_S = 30.0
+"""From the end of a request's head to the end of its body: at most 256 KiB (`services.api.main.MAX_BODY_BYTES`),
+so ~9 KB/s at the least."""
+
+
 class BoundedHeadHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol, refusing a request whose head (request line and headers) outgrows
     MAX_HEAD_BYTES with a 431, before the parser has buffered more than that and two network reads: with no
     limit, one unauthenticated request could hold any amount of memory in a header. A head not complete within
-    `head_timeout_s` is answered 408 and the connection closed."""
+    `head_timeout_s`, or a body not complete within `body_timeout_s` of its head, is answered 408 and the
+    connection closed: uvicorn would wait for either for ever, a connection held by a few bytes."""
 
     head_timeout_s = HEAD_TIMEOUT_S
+    body_timeout_s = BODY_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None once the head of the current request is complete
         self._head_began_in_this_read = False
-        self._head_deadline: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_head()
+        self._expect(self.head_timeout_s, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._head_arrived()
+        self._arrived()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
         self._head_began_in_this_read = True
-        self._await_head()
+        self._expect(self.head_timeout_s, self._head_too_slow)
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
-        self._head_arrived()
+        self._expect(self.body_timeout_s, self._body_too_slow)
         super().on_headers_complete()
 
-    def _await_head(self) -> None:
-        self._head_arrived()
-        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+    def on_message_complete(self) -> None:
+        self._arrived()
+        super().on_message_complete()
 
-    def _head_arrived(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+    def _expect(self, within_s: float, too_slow: Callable[[], None]) -> None:
+        self._arrived()
+        self._deadline = self.loop.call_later(within_s, too_slow)
+
+    def _arrived(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _head_too_slow(self) -> None:
-        self._head_deadline = None
+        # `cycle` is the request before (or None): a 408 is written only after its answer, not into it.
+        self._too_slow(_HEAD_TOO_SLOW, answerable=self.cycle is None or self.cycle.response_complete)
+
+    def _body_too_slow(self) -> None:
+        # `cycle` is this request; its app, waiting for the body, reads a disconnect once the connection closes.
+        # An answer it began, or one to a request before it (pipelined), is not to be cut into.
+        self._too_slow(_BODY_TOO_SLOW, answerable=not self.pipeline and not self.cycle.response_started)
+
+    def _too_slow(self, message: str, *, answerable: bool) -> None:
+        self._deadline = None
         if self.transport.is_closing():
             return
-        if self.cycle is None or self.cycle.response_complete:  # no answer of an earlier request under way
-            self._refuse(408, b"Request Timeout", "REQUEST_TIMEOUT", _HEAD_TOO_SLOW)
+        if answerable:
+            self._refuse(408, b"Request Timeout", "REQUEST_TIMEOUT", message)
         else:
             self.transport.close()
 
@@ -136,3 +157,4 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
 
 _HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
 _HEAD_TOO_SLOW = f"the request line and headers must arrive within {HEAD_TIMEOUT_S:g} s"
+_BODY_TOO_SLOW = f"the request body must arrive within {BODY_TIMEOUT_S:g} s of the headers"
