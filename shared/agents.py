@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     AfterValidator,
-    AliasChoices,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
-    model_validator,
 )
 
 from shared.events import (
     CONTENT_MAX_CHARS,
     METADATA_MAX_DEPTH,
     AgentContext,
+    EitherCase,
     MemoryWriteRequested,
     ModelName,
+    Reference,
     SourceType,
     Tag,
     json_text,
@@ -39,10 +37,6 @@ from shared.events import (
 from shared.ids import new_write_id
 from shared.search import KnowledgeFilter
 from shared.settings import is_service_variable
-
-
-def _snake(key: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
 def _one_or_many(value: Any) -> Any:
@@ -76,20 +70,15 @@ def _refuse_boolean(value: Any) -> Any:
 MinScore = Annotated[float, Field(ge=-1.0, le=1.0, allow_inf_nan=False), BeforeValidator(_refuse_boolean)]
 
 
-class _EitherCase(BaseModel):
+class _EitherCase(EitherCase):
     """Accepts snake_case or camelCase keys (a Formation may store either); refuses unknown ones."""
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _snake_case(cls, value: Any) -> Any:
-        return {_snake(str(k)): v for k, v in value.items()} if isinstance(value, dict) else value
-
 
 class ExtractionConfig(_EitherCase):
     enabled: bool = True
-    ai_provider_id: str | None = None
+    ai_provider_id: Reference | None = None
     model: ModelName | None = None
     prompt: str | None = Field(default=None, max_length=CONTENT_MAX_CHARS)
 
@@ -97,8 +86,9 @@ class ExtractionConfig(_EitherCase):
 class KnowledgeConfig(_EitherCase):
     """An agent's `knowledge_config`: what it reads (search) and where it writes (tool, extraction)."""
 
-    memory_ids: MemoryIdList = []
-    memory_tags: TagPatternList = []
+    # pydantic copies a default per instance (ruff cannot tell this class is a model through its base).
+    memory_ids: MemoryIdList = []  # noqa: RUF012
+    memory_tags: TagPatternList = []  # noqa: RUF012
     limit: Annotated[int, BeforeValidator(_refuse_boolean)] | None = Field(
         default=None, description="default 10; clamped to 1..100"
     )
@@ -181,24 +171,22 @@ KeyVariable = Annotated[
 """The NAME of the environment variable holding a provider's key (the key itself is never stored)."""
 
 
-class AgentSpec(BaseModel):
-    """The agent fields a platform sends with a tool call or a completed turn."""
+class AgentSpec(EitherCase):
+    """The agent fields a platform sends with a tool call or a completed turn, snake_case or camelCase."""
 
     model_config = ConfigDict(extra="ignore")
 
-    id: str | None = None
+    id: Reference | None = None
     model: ModelName | None = Field(
         default=None,
         description="litellm model, e.g. openai/gpt-4o-mini; with no registered provider or route behind it, called "
         "only if its provider is allowed (MEMORIES_AGENT_MODEL_PROVIDERS)",
     )
-    ai_provider_id: str | None = Field(default=None, description="the agent's provider, registered for the project")
-    model_route_id: str | None = Field(default=None, description="the agent's model route")
+    ai_provider_id: Reference | None = Field(default=None, description="the agent's provider, registered for the project")
+    model_route_id: Reference | None = Field(default=None, description="the agent's model route")
     api_base: ProviderAddress | None = None
     api_key_env: KeyVariable | None = Field(default=None, description="name of the env variable with the provider key")
-    knowledge_config: KnowledgeConfig = Field(
-        default_factory=KnowledgeConfig, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
-    )
+    knowledge_config: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
 
     def context(self) -> AgentContext | None:
         """The agent context a write carries; without a model there is nothing to merge with."""

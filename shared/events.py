@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 CONTENT_MAX_CHARS = 8_000
 TAG_MAX_CHARS = 128
@@ -97,6 +97,27 @@ def refuse_blank(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(refuse_nul)]
+Reference = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
+"""An id a platform names something by (its agent, a registered provider, a model route): it reaches logs and
+stored reasons, so it is bounded and holds no NUL."""
+
+
+class EitherCase(BaseModel):
+    """An object as a platform may store it, its keys camelCase or snake_case, read as snake_case. One key in both
+    spellings with two values is refused: which one the platform meant cannot be told."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _snake_case_keys(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        keys: dict[str, Any] = {}
+        for key, item in value.items():
+            name = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).lower()
+            if name in keys and keys[name] != item:
+                raise ValueError(f"{name} is given twice, in two spellings, with different values")
+            keys[name] = item
+        return keys
 StoredContent = Annotated[
     str, StringConstraints(min_length=1, max_length=CONTENT_MAX_CHARS), AfterValidator(refuse_nul)
 ]
@@ -286,23 +307,20 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
 
-class GenerationAgent(BaseModel):
-    """The agent as the platform stores it; `knowledge_config` may be snake_case or camelCase."""
+class GenerationAgent(EitherCase):
+    """The agent as the platform stores it; its keys (and its `knowledge_config`'s) may be snake_case or camelCase."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    id: str | None = None
+    id: Reference | None = None
     model: ModelName | None = Field(
         default=None,
         description="the agent's model (a litellm model or a provider's); with no registered provider or route behind "
         "it, called only if its provider is allowed (MEMORIES_AGENT_MODEL_PROVIDERS)",
     )
-    ai_provider_id: str | None = Field(default=None, description="the agent's pinned provider")
-    model_route_id: str | None = None
-    # Its contents may be camelCase, and so may its own key, as a platform stores it.
-    knowledge_config: dict[str, Any] | None = Field(
-        default=None, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
-    )
+    ai_provider_id: Reference | None = Field(default=None, description="the agent's pinned provider")
+    model_route_id: Reference | None = None
+    knowledge_config: dict[str, Any] | None = None
 
 
 class GenerationCompleted(Event):

@@ -77,8 +77,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
+# Control characters (line breaks, terminal escapes, NUL) and Unicode's line separators, written escaped.
+_ESCAPED = str.maketrans(
+    {code: repr(chr(code))[1:-1] for code in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]}
+)
+
+
 class TextFormatter(logging.Formatter):
-    """For a terminal: the classic line, then the structured fields as key=value."""
+    """For a terminal: the classic line, then the structured fields as key=value. A message or a field quoting
+    what a client sent (an id, a model's name) cannot break the line or forge one: its control characters are
+    escaped. A traceback, the formatter's own, keeps its lines."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -86,7 +94,7 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         fields = " ".join(f"{key}={value}" for key, value in extra_fields(record).items())
         base = super().formatMessage(record)
-        return f"{base} [{fields}]" if fields else base
+        return (f"{base} [{fields}]" if fields else base).translate(_ESCAPED)
 
 
 def resolve_format(setting: str, stream: TextIO) -> str:

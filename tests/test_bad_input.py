@@ -202,6 +202,7 @@ async def test_an_oversized_write_event_is_dead_lettered(settings: Settings, wri
         ("POST", "/ai-providers", {"project_id": "{project}", "name": "p", "provider": "openai", "default_model": "m\u0000"}),
         ("POST", "/model-routes", {"project_id": "{project}", "name": "r", "targets": [{"ai_provider_id": "a\u0000"}]}),
         ("PUT", "/projects/{project}/default-model-route", {"model_route_id": "a\u0000"}),
+        ("POST", "/tools/write_memory", {"content": "A fact", "agent": {"modelRouteId": "r\u0000"}}),
     ],
 )
 async def test_nul_anywhere_is_a_4xx(

@@ -114,6 +114,26 @@ async def test_skipped_turns_say_why(client: httpx.AsyncClient, memory: dict[str
     assert llm.calls_to("extract-never") == [] and await entries(client, memory["id"]) == []
 
 
+async def test_a_turns_agent_is_read_in_camel_case_too(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    """Platforms store agents camelCase. `aiProviderId` was ignored (only `knowledgeConfig` was read so), and the
+    turn was extracted with the agent's bare model instead of the provider it names."""
+    model = llm.script("extract-camel", json.dumps(FACTS))
+    body = turn_body(memory, model, "gen_camel")
+    body["agent"] = {"id": "agent_1", "model": model, "aiProviderId": "aip_gone",
+                     "knowledgeConfig": {"writeMemoryId": memory["id"], "extraction": True}}
+    assert (await client.post("/generations/completed", json=body)).status_code == 202
+    outcome = await finished(client, memory, "gen_camel")
+    assert outcome["status"] == "skipped" and "ai_provider_id names no provider" in outcome["reason"], outcome
+    assert llm.calls_to("extract-camel") == []
+    # Its ids are bounded like every id: they reach logs and stored reasons. Two spellings disagreeing are refused.
+    for agent in ({"modelRouteId": "r" * 256}, {"aiProviderId": "aip_a", "ai_provider_id": "aip_b"}):
+        body["agent"] = {**agent, "knowledgeConfig": {"writeMemoryId": memory["id"]}}
+        refused = await client.post("/generations/completed", json={**body, "generation_id": "gen_camel_bad"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "VALIDATION_FAILED", refused.text
+
+
 async def test_custom_prompt_keeps_the_contract(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
     model = llm.script("extract-custom", "[]")
     config = {"write_memory_id": memory["id"], "extraction": {"prompt": "Only extract where the user lives."}}

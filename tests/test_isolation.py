@@ -395,11 +395,15 @@ async def test_the_tool_definition_needs_a_credential(client: httpx.AsyncClient,
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "UNAUTHORIZED"
 
 
-@pytest.mark.parametrize("agent_fields", [{"api_base": "http://127.0.0.1:9/v1"}, {"api_key_env": "OPENAI_API_KEY"}])
+@pytest.mark.parametrize(
+    "agent_fields",
+    [{"api_base": "http://127.0.0.1:9/v1"}, {"api_key_env": "OPENAI_API_KEY"}, {"apiBase": "http://127.0.0.1:9/v1"}],
+)
 async def test_a_project_key_cannot_point_the_writer_at_an_address_or_a_secret(
     client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], agent_fields: dict[str, str]
 ) -> None:
-    """The writer would call that address with the value of that variable from its own environment."""
+    """The writer would call that address with the value of that variable from its own environment. (A camelCase
+    key is the same field: it was dropped unread, which was safe but told the platform nothing.)"""
     target = tenants[0].target
     body = {"content": "Alice likes tea", "generation_id": "gen_x",
             "agent": {"model": "openai/anything", "knowledge_config": {"write_memory_id": target.memory_id},
@@ -407,7 +411,7 @@ async def test_a_project_key_cannot_point_the_writer_at_an_address_or_a_secret(
     refused = await client.post("/tools/write_memory", json=body, headers=bearer(tenants[0].secret))
     assert refused.status_code == 403, refused.text
     fields = [problem["field"] for problem in refused.json()["error"]["meta"]["invalid_fields"]]
-    assert fields == [f"agent.{next(iter(agent_fields))}"]
+    assert fields == [f"agent.{next(iter(agent_fields)).replace('B', '_b')}"]
 
 
 @pytest.mark.parametrize("variable", ["MEMORIES_ADMIN_TOKEN", "database_url", "Nats_Url", "MEMORIES_ANYTHING"])

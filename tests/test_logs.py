@@ -100,6 +100,18 @@ def test_text_lines_keep_the_fields_as_key_value() -> None:
     assert TextFormatter().format(record()).endswith("memories.writer write decided")
 
 
+def test_a_text_line_cannot_be_broken_or_forged_by_what_a_client_sent() -> None:
+    forged = "r\n2026-12-01 21:40:00,000 ERROR memories.api FORGED\x1b[2J\x00"
+    line = TextFormatter().format(record("model route %s does not exist", forged, model=f"m\r{forged}"))
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\x00" not in line
+    assert "route r\\n2026-12-01 21:40:00,000 ERROR memories.api FORGED\\x1b[2J\\x00 does not exist" in line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = TextFormatter().format(record("write failed", exc_info=sys.exc_info()))
+    assert failed.count("\n") >= 2 and "Traceback (most recent call last):\n" in failed  # the traceback keeps its lines
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
