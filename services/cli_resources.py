@@ -95,6 +95,14 @@ def nullable_text(text: str) -> str | None:
     return None if text == "null" else text
 
 
+def kept_text(text: str) -> str:
+    """A text option of an update for a field that cannot be cleared (a name, an entry's content): `null`, which
+    clears the other fields, is refused rather than stored as the word."""
+    if text == "null":
+        raise argparse.ArgumentTypeError("this field cannot be cleared (null clears only the fields that say so)")
+    return text
+
+
 def finite_number(text: str) -> float:
     value = float(text)  # argparse turns its ValueError into a usage error
     if not math.isfinite(value):
@@ -417,7 +425,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verb("get-memory", "show a memory").add_argument("id")
     parser = verb("update-memory", "change the given fields of a memory")
     parser.add_argument("id")
-    update_option(parser, "--name")
+    update_option(parser, "--name", type=kept_text)
     update_option(parser, "--description", type=nullable_text, help="null clears")
     update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
     update_option(parser, "--write-policy", choices=POLICIES)
@@ -439,7 +447,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verb("get-memory-entry", "show an entry (also an invalidated one)").add_argument("id")
     parser = verb("update-memory-entry", "edit an entry: tags/metadata replaced, new content re-embedded")
     parser.add_argument("id")
-    update_option(parser, "--content")
+    update_option(parser, "--content", type=kept_text)
     update_option(parser, "--tags", type=json_array, help="a JSON array; null clears")
     update_option(parser, "--metadata", type=json_object, help="a JSON object; null clears")
     verb("delete-memory-entry", "delete an entry").add_argument("id")

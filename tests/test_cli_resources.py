@@ -237,6 +237,11 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
         assert code == 2 and "finite number" in err, err
     code, _, err = await cli("import", "/no/such/file.jsonl")
     assert code == 2 and "cannot read" in err
+    # null clears --description, --tags, --metadata; a name or a fact's content cannot be cleared, and was stored
+    # as the word "null" (the fact re-embedded) by a user following that rule.
+    for verb, option in (("update-memory", "--name"), ("update-memory-entry", "--content")):
+        code, _, err = await cli(verb, "mem_x" if verb == "update-memory" else "mem_entry_x", option, "null")
+        assert code == 2 and "cannot be cleared" in err, err
     code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--metadata", '{"a": NaN}')
     assert code == 2 and "NaN is not a JSON number" in err
     # Refused by the client before anything is sent: a header value that is not ASCII, an empty id.
