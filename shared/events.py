@@ -85,9 +85,24 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+# Invisible, yet not whitespace nor format characters (category Cf): Unicode's default-ignorable code points of
+# other categories (the combining grapheme joiner, Hangul fillers, Khmer inherent vowels, Mongolian and other
+# variation selectors, tags) and the blank braille pattern.
+_INVISIBLE = frozenset(
+    chr(code)
+    for first, last in (
+        (0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x2065, 0x2065),
+        (0x2800, 0x2800), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
+        (0xE0000, 0xE0FFF),
+    )
+    for code in range(first, last + 1)
+)
+
+
 def is_blank(text: str) -> bool:
-    """Nothing a reader would see: whitespace, and invisible format characters (zero-width space, BOM, …)."""
-    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
+    """Nothing a reader would see: whitespace, invisible format characters (zero-width space, BOM, …) and the
+    other invisible characters (a Hangul filler, a variation selector, …)."""
+    return all(char.isspace() or char in _INVISIBLE or unicodedata.category(char) == "Cf" for char in text)
 
 
 def refuse_blank(value: str) -> str:

@@ -88,7 +88,9 @@ async def test_content_limits(client: httpx.AsyncClient, memory: dict[str, Any])
     too_long = await write(client, memory["id"], "x" * 8_001)
     assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
     assert (await write(client, memory["id"], "")).status_code == 400
-    for invisible in (" \n\t ", "\u200b\ufeff", " \u2060\u200d "):  # zero-width space, BOM, word joiner
+    # Zero-width space, BOM, word joiner; a Hangul filler, the combining grapheme joiner, a variation selector and
+    # the blank braille pattern (invisible, but no format characters: they were stored).
+    for invisible in (" \n\t ", "\u200b\ufeff", " \u2060\u200d ", "\u3164", "\u034f", "\ufe0f\u2800"):
         blank = await write(client, memory["id"], invisible)
         assert blank.status_code == 400 and blank.json()["error"]["meta"]["invalid_fields"][0]["field"] == "content"
     search = await client.post("/knowledge/search", json={"project_id": memory["project_id"], "query": "\u200b"})

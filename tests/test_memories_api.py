@@ -64,6 +64,11 @@ async def test_create_memory_rejects_unknown_and_missing_fields(
         {"name": "x", "tags": ["t"] * 65},
         {"name": "x", "tags": ["t" * 129]},
         {"name": "bad\u0000name"},
+        {"name": "\u200b"},  # nothing to see
+        {"name": "\u3164\u2800"},  # a Hangul filler and the blank braille pattern: nothing to see either
+        {"name": "two\nlines"},  # breaks the lists, the tables, an agent's context
+        {"name": "a\tb"},
+        {"name": "\x1b[31mred"},  # a terminal escape
     ],
 )
 async def test_create_memory_validates_types_and_sizes(
