@@ -1,4 +1,4 @@
-"""IAM actions of the API keys (docs/contract.md, Permissions) and the rules that match them. Pure.
+"""IAM actions of the API keys (docs/api.md, Callers) and the rules that match them. Pure.
 
 A key holds a list of action patterns. A pattern is either a known action (`memories:GetMemory`) or a glob
 whose only wildcard is `*` (`memories:*`, `memories:Get*`, `*`) that matches at least one known action; a

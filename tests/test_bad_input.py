@@ -93,6 +93,15 @@ async def test_numbers_json_has_not_are_refused_not_stored_as_null(
         assert "NaN or Infinity" in response.text, response.text
 
 
+async def test_a_trailing_slash_is_a_404_in_the_envelope_not_a_redirect(client: httpx.AsyncClient) -> None:
+    """Starlette answered a bare 307 to the same path without the slash, at the host the request's Host header
+    named (an address a client was then sent to)."""
+    for method, path in (("GET", "/memories/"), ("POST", "/memory-entries/")):
+        response = await client.request(method, path, headers={"Host": "evil.example"}, json={})
+        assert_envelope(response, 404)
+        assert "location" not in response.headers
+
+
 @pytest.mark.parametrize("memory_id", ["", "mem_", "mem_../../etc", "mem_%00", "mem_" + "A" * 500, "MEM_AAAAAAAAAAAAAAAA"])
 async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) -> None:
     response = await client.get(f"/memories/{memory_id}") if memory_id else await client.get("/memories/%20")

@@ -304,6 +304,8 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
     over_http = MemoriesClient(api_url, ADMIN_TOKEN)
     unsendable: list[Any] = [
         lambda: memories.create_entry("mem_a", "x", metadata={"score": float("nan")}),  # no JSON number
+        lambda: memories.create_entry("mem_a", "x", tags={"a"}),  # type: ignore[arg-type]  # a set: no JSON
+        lambda: memories.create_entry("mem_a", "x", metadata={"at": object()}),  # was httpx's TypeError
         lambda: memories.create_entry("mem_a", "x", idempotency_key="ключ"),  # no header value
         lambda: memories.get_memory(""),  # "/memories/" is the list
         lambda: MemoriesClient("http://memories.test", "tökén"),

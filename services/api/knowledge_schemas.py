@@ -1,4 +1,4 @@
-"""Bodies of the knowledge routes (docs/contract.md, "Knowledge search"). Strict like the others."""
+"""Bodies of the knowledge routes (docs/api.md, Knowledge search). Strict like the others."""
 
 from __future__ import annotations
 

@@ -81,8 +81,11 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(
         title="Memories",
         version="0.1.0",
-        description="Named memories of deduplicated, embedded facts for AI agents. See docs/contract.md.",
+        description="Named memories of deduplicated, embedded facts for AI agents. See docs/api.md.",
         lifespan=lifespan,
+        # A path with a trailing slash is a 404 in the error envelope, not a bare 307 to an address built from
+        # the request's Host header.
+        redirect_slashes=False,
     )
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)

@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST API (docs/contract.md). Strict: unknown fields are a 400."""
+"""Request and response bodies of the REST API (docs/api.md, docs/openapi.json). Strict: unknown fields are a 400."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -9,7 +10,7 @@ import httpx
 
 from shared.client import _operations as op
 from shared.client._calls import Call, async_operation, sync_operation
-from shared.client.errors import MemoriesError, raise_for_error, unsent_or_unanswered
+from shared.client.errors import InvalidRequest, MemoriesError, raise_for_error, unsent_or_unanswered
 
 T = TypeVar("T")
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
@@ -38,7 +39,16 @@ def _http_client(kind: type[H], url: str, token: str | None, timeout: float, tra
 
 
 def _request(call: Call[Any]) -> dict[str, Any]:
-    return {"params": call.params, "json": call.body, "headers": dict(call.headers)}
+    request: dict[str, Any] = {"params": call.params, "headers": dict(call.headers)}
+    if call.body is not None:
+        # Encoded here, as httpx would, so that a body JSON cannot carry (a set, an object, NaN) is refused as
+        # the request it is, not raised as a TypeError from inside httpx.
+        try:
+            request["content"] = json.dumps(call.body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(None, "INVALID_REQUEST", f"the request cannot be sent: {exc}") from exc
+        request["headers"]["Content-Type"] = "application/json"
+    return request
 
 
 def _read(call: Call[T], response: httpx.Response) -> T:
