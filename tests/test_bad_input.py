@@ -255,7 +255,7 @@ async def test_a_completed_turn_is_validated_before_it_is_published(
     assert named and all(field.startswith(next(iter(fields))) for field in named), meta
 
 
-async def test_a_generation_id_with_a_slash_can_be_looked_up_and_forgotten(
+async def test_a_generation_id_with_a_slash_can_be_looked_up_and_forgotten_an_empty_one_cannot(
     client: httpx.AsyncClient, memory: dict[str, Any]
 ) -> None:
     project = memory["project_id"]
@@ -266,6 +266,10 @@ async def test_a_generation_id_with_a_slash_can_be_looked_up_and_forgotten(
     assert status.status_code == 200 and status.json()["generation_id"] == "run/42", status.text
     cleared = await client.delete("/generations/run%2F42/provenance", params={"project_id": project})
     assert cleared.status_code == 200 and cleared.json() == {"cleared": 0}
+    # No write cites an empty id or one over 255 characters: forgetting one was a 200, and it was remembered.
+    for kind, reference in (("generations", ""), ("conversations", ""), ("conversations", "c" * 256)):
+        refused = await client.delete(f"/{kind}/{reference}/provenance", params={"project_id": project})
+        assert_envelope(refused, 400)
 
 
 def test_a_refused_value_is_the_clients_fault_only_when_the_client_chose_it() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -192,13 +192,18 @@ class ProvenanceCleared(BaseModel):
     cleared: int = Field(description="how many entries referenced it")
 
 
+# The ids a write may cite (at most 255 characters): an empty or longer one names nothing to forget, and would be
+# remembered as forgotten all the same.
+ForgottenId = Annotated[str, Path(min_length=1, max_length=255)]
+
+
 @router.delete(
     "/generations/{generation_id:path}/provenance",  # `:path`: an id may hold a "/" (e.g. run/42)
     summary="A generation was deleted: entries forget it, the facts stay",
     dependencies=[require("memories:UpdateMemoryEntry")],
 )
 async def forget_generation(
-    generation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+    generation_id: ForgottenId, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
 ) -> ProvenanceCleared:
     return await _forget(session, principal, project_id, generation_id=generation_id)
 
@@ -209,7 +214,7 @@ async def forget_generation(
     dependencies=[require("memories:UpdateMemoryEntry")],
 )
 async def forget_conversation(
-    conversation_id: str, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
+    conversation_id: ForgottenId, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
 ) -> ProvenanceCleared:
     return await _forget(session, principal, project_id, conversation_id=conversation_id)
 
