@@ -192,9 +192,9 @@ class ProvenanceCleared(BaseModel):
     cleared: int = Field(description="how many entries referenced it")
 
 
-# The ids a write may cite (at most 255 characters): an empty or longer one names nothing to forget, and would be
-# remembered as forgotten all the same.
-ForgottenId = Annotated[str, Path(min_length=1, max_length=255)]
+# An empty id is a client's slip (a path built from a missing variable), not a generation: a 400 says so. A longer
+# id than a write may cite is a no-op (nothing holds it, nothing is remembered), as deleting what is gone should be.
+ForgottenId = Annotated[str, Path(min_length=1)]
 
 
 @router.delete(
