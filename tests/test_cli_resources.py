@@ -382,10 +382,22 @@ async def test_a_key_that_may_only_write_can_import(cli: Cli, memory_id: str, pr
     async with AsyncMemoriesClient(cli.url, ADMIN_TOKEN) as admin:
         key = (await admin.create_api_key(project_id, ["memories:CreateMemoryEntry"])).key
     source = tmp_path / "writer.jsonl"
-    source.write_text(json.dumps({"memory_id": memory_id, "content": "Written by a narrow key"}) + "\n")
+    lines = [{"memory_id": memory_id, "content": "Written by a narrow key"},
+             {"memory_id": memory_id, "content": "Deleted before the re-run"}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code, out, err = await cli.raw("import", str(source), "--json", "--url", cli.url, "--token", key)
     assert code == 0, err
-    assert json.loads(out)["created"] == 1
+    first = json.loads(out)
+    assert first["created"] == 2
+    entries = (await cli.json("list-memory-entries", "--memory-id", memory_id))["data"]
+    [gone] = [e["id"] for e in entries if e["content"] == "Deleted before the re-run"]
+    assert (await cli("delete-memory-entry", gone))[0] == 0
+    # Run again: the key cannot read whether a line was imported, but the service says each answer repeats the
+    # first outcome (Idempotent-Replayed). Before, it counted both lines "created" again and the deleted one failed.
+    code, out, err = await cli.raw("import", str(source), "--json", "--url", cli.url, "--token", key)
+    again = json.loads(out)
+    assert code == 0, err
+    assert (again["created"], again["skipped"], again["already_imported"], again["failed"]) == (0, 2, 2, 0), again
 
 
 async def test_import_counts_bad_lines_as_failed(cli: Cli, memory_id: str, tmp_path: Path) -> None:

@@ -45,6 +45,8 @@ async def test_idempotency_key_returns_the_first_outcome(
     assert first.status_code == 201
     again = await client.post("/memory-entries", json=body, headers=headers)
     assert again.status_code == 201 and again.json() == first.json()
+    # The repeat says it is one: its "created" is the first call's, this one wrote nothing.
+    assert (first.headers.get("idempotent-replayed"), again.headers.get("idempotent-replayed")) == (None, "true")
     reordered = await client.post("/memory-entries", json={**body, "metadata": {"b": 2, "a": 1}}, headers=headers)
     assert reordered.status_code == 201 and reordered.json() == first.json()
     # A key names one request: reused for another body or another memory, it is refused, not answered with

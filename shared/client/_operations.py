@@ -10,7 +10,7 @@ import httpx
 from pydantic import BaseModel
 
 from shared.client._calls import UNSET, Call, Unset, dump, fields, model, nothing, page, present, query
-from shared.client.errors import InvalidRequest
+from shared.client.errors import InvalidRequest, is_replayed
 from shared.client.models import (
     ApiKey,
     ApiKeyCreated,
@@ -112,7 +112,8 @@ def _entry_write(response: httpx.Response) -> EntryWrite:
         return EntryWrite(write_id=body["write_id"], status="pending")
     entry = MemoryEntry.model_validate(body)
     return EntryWrite(
-        write_id=body["write_id"], status="applied", action=WriteAction(body["action"]), entry=entry
+        write_id=body["write_id"], status="applied", action=WriteAction(body["action"]), entry=entry,
+        replayed=is_replayed(response),
     )
 
 

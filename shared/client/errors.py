@@ -9,20 +9,22 @@ import httpx
 
 class MemoriesError(Exception):
     """A failed call. `status` is the HTTP status (None when no response arrived); `code`, `message` and
-    `meta` are the envelope's."""
+    `meta` are the envelope's. `replayed`: a write's first outcome given again for its Idempotency-Key (e.g. its
+    entry deleted since: a 409); this call changed nothing."""
 
     def __init__(
-        self, status: int | None, code: str, message: str, meta: dict[str, Any] | None = None
+        self, status: int | None, code: str, message: str, meta: dict[str, Any] | None = None, replayed: bool = False
     ) -> None:
         super().__init__(f"{code}: {message}")
         self.status = status
         self.code = code
         self.message = message
         self.meta: dict[str, Any] = meta or {}
+        self.replayed = replayed
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from its fields, so that it crosses a process pool or a task queue (pickle, copy).
-        return type(self), (self.status, self.code, self.message, self.meta)
+        return type(self), (self.status, self.code, self.message, self.meta, self.replayed)
 
 
 class ValidationFailed(MemoriesError):
@@ -92,7 +94,12 @@ def error_of(response: httpx.Response) -> MemoriesError:
         message = str(envelope.get("message") or message)
         meta = envelope.get("meta") if isinstance(envelope.get("meta"), dict) else None
     kind = _BY_STATUS.get(response.status_code, MemoriesError)
-    return kind(response.status_code, code, message, meta)
+    return kind(response.status_code, code, message, meta, replayed=is_replayed(response))
+
+
+def is_replayed(response: httpx.Response) -> bool:
+    """The service answered with the first outcome of the write's Idempotency-Key (header Idempotent-Replayed)."""
+    return response.headers.get("Idempotent-Replayed") == "true"
 
 
 def raise_for_error(response: httpx.Response) -> httpx.Response:

@@ -62,12 +62,14 @@ class MemoryEntry(Result):
 
 class EntryWrite(Result):
     """The outcome of an entry write. `pending` (a 202): the writer has not decided yet, `action` and
-    `entry` are None; poll `get_write(write_id)`."""
+    `entry` are None; poll `get_write(write_id)`. `replayed`: the first outcome of this Idempotency-Key, given
+    again; this call wrote nothing."""
 
     write_id: str
     status: Literal["applied", "pending"]
     action: WriteAction | None = None
     entry: MemoryEntry | None = None
+    replayed: bool = False
 
 
 class WriteFailure(Result):

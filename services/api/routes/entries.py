@@ -31,6 +31,7 @@ from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_wr
 from shared.repository import HistoryRow
 from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused
+from shared.writes import RecordedOutcome
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
@@ -56,9 +57,19 @@ async def _locked(session: AsyncSession, entry: MemoryEntry) -> MemoryEntry:
     return current
 
 
+REPLAYED_HEADER = "Idempotent-Replayed"
+"""`true` on an answer that repeats the first outcome of the same write (a retry with its Idempotency-Key): the
+call itself wrote nothing, whatever its `action` says."""
+
+_REPLAYED = {
+    REPLAYED_HEADER: {
+        "description": "`true` when this answer repeats the first outcome of the Idempotency-Key: nothing was written now",
+        "schema": {"type": "string", "enum": ["true"]},
+    }
+}
 WRITE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    201: {"model": EntryWritten, "description": "`created`"},
-    200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`"},
+    201: {"model": EntryWritten, "description": "`created`", "headers": _REPLAYED},
+    200: {"model": EntryWritten, "description": "`skipped`, `updated` or `superseded`", "headers": _REPLAYED},
     202: {"model": WriteAccepted, "description": "queued; the writer has not decided within the timeout"},
 }
 """What a write answers, on every route that writes through the dedup algorithm."""
@@ -128,6 +139,13 @@ async def submit_write(
 
 
 async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
+    answer = await _decided(session, outcome)
+    if isinstance(outcome, RecordedOutcome):
+        answer.headers[REPLAYED_HEADER] = "true"
+    return answer
+
+
+async def _decided(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
     if outcome.error is not None:
         # The contract's code for the status (the writer's own code, e.g. EMBEDDING_UNAVAILABLE, is in the
         # write's status); the write id lets a client look the write up.
