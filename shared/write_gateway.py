@@ -105,7 +105,7 @@ class WriteGateway:
             if repo.claimed_by_another_request(record, fingerprint):
                 raise IdempotencyKeyReused(event.write_id)
             if record.status == "applied":
-                return outcome_of(record)
+                return ReplayedOutcome.of(record)
             if owned:
                 break
             try:
@@ -187,7 +187,7 @@ class WriteGateway:
             async with self._sessions() as session:
                 record = await repo.get_write_outcome(session, write_id)
             if record is not None and record.status != "pending":
-                return outcome_of(record)
+                return ReplayedOutcome.of(record)
             if record is not None and record.updated_at != claimed_at:
                 # Given up unpublished by its owner (aged by `repository.release_write_claim`), or taken over by
                 # another caller since: claimed again, to be published here or awaited anew.
@@ -198,3 +198,12 @@ class WriteGateway:
 
 class _ClaimChanged(Exception):
     pass
+
+
+class ReplayedOutcome(MemoryWriteOutcome):
+    """The stored outcome of an earlier call with this write id (a retry, a repeated Idempotency-Key, a caller
+    that published it first): this call decided nothing. It does not carry the entry."""
+
+    @classmethod
+    def of(cls, record: WriteOutcome) -> ReplayedOutcome:
+        return cls(**outcome_of(record).model_dump())

@@ -72,17 +72,12 @@ StoredOutcome = WriteOutcome | OutcomeRow | Row[Any]
 """A write's record: an ORM object, a plain record or a row, all with the columns as attributes."""
 
 
-class RecordedOutcome(MemoryWriteOutcome):
-    """An outcome read back from storage: decided for an earlier call with the same write id (a retry, a repeated
-    Idempotency-Key), not for this one. It does not carry the entry."""
-
-
-def outcome_of(record: StoredOutcome) -> RecordedOutcome:
+def outcome_of(record: StoredOutcome) -> MemoryWriteOutcome:
     error = None
     if record.status == "failed":
         code = record.error_code or "INTERNAL_ERROR"
         error = WriteError(code=code, message=record.error_message or "", status=_ERROR_STATUS.get(code, 500))
-    return RecordedOutcome(
+    return MemoryWriteOutcome(
         write_id=record.write_id,
         action=WriteAction(record.action) if record.action else None,
         entry_id=record.entry_id,

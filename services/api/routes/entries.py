@@ -30,8 +30,7 @@ from shared.guard import content_hash
 from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.repository import HistoryRow
 from shared.settings import Settings
-from shared.write_gateway import IdempotencyKeyReused
-from shared.writes import RecordedOutcome
+from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
@@ -140,7 +139,7 @@ async def submit_write(
 
 async def _answer(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONResponse:
     answer = await _decided(session, outcome)
-    if isinstance(outcome, RecordedOutcome):
+    if isinstance(outcome, ReplayedOutcome):
         answer.headers[REPLAYED_HEADER] = "true"
     return answer
 
