@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from shared.embeddings import LOCAL_PREFIX
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger("memories")
@@ -168,17 +169,33 @@ def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, 
         f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
         "Metrics: API " + f"{base}/metrics, "
         + ", ".join(f"{name} http://{env['MEMORIES_HOST']}:{port}/metrics" for name, port in metrics_ports.items()),
-        f"Embeddings: {settings.embedding_model} (in-process, offline)",
+        f"Embeddings: {settings.embedding_model}"
+        + (" (in-process, offline)" if settings.embedding_model.startswith(LOCAL_PREFIX) else ""),
     ]
-    if not settings.memories_merge_model:
-        lines.append(
-            "No LLM is configured here (none can be installed offline): agent merges fall back to create, "
-            "`arbitrate` memories to the `guarded` rule, and "
-            "automatic extraction is off until a model is named - a project's AI provider or model route "
-            "(/api/v1/ai-providers, /api/v1/model-routes), MEMORIES_MERGE_MODEL, or an agent's `model` of a "
-            "provider in MEMORIES_AGENT_MODEL_PROVIDERS."
-        )
+    lines.append(_models_line(settings))
     print("\n".join(lines), flush=True)
+
+
+def _models_line(settings: Settings) -> str:
+    """What the run can ask a model for, and what it falls back to where it cannot."""
+    if settings.memories_merge_model:
+        return (
+            "Service model (MEMORIES_MERGE_MODEL), for merges and extraction that name none: "
+            f"{settings.memories_merge_model}"
+        )
+    if settings.agent_model_providers:
+        return (
+            "No MEMORIES_MERGE_MODEL: writes without a model of their own (REST writes to `arbitrate` memories) use "
+            "the `guarded` rule; agents' models of " + ", ".join(sorted(settings.agent_model_providers))
+            + " and projects' AI providers and model routes are asked for merges and extraction."
+        )
+    return (
+        "No LLM is configured here (none can be installed offline): agent merges fall back to create, "
+        "`arbitrate` memories to the `guarded` rule, and "
+        "automatic extraction is off until a model is named - a project's AI provider or model route "
+        "(/api/v1/ai-providers, /api/v1/model-routes), MEMORIES_MERGE_MODEL, or an agent's `model` of a "
+        "provider in MEMORIES_AGENT_MODEL_PROVIDERS."
+    )
 
 
 def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:

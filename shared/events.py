@@ -351,7 +351,9 @@ class GenerationCompleted(Event):
     agent: GenerationAgent
     extract: bool | None = Field(default=None, description="per-turn override of the agent's extraction default")
     streamed: bool = False
-    status: str = Field(default="completed", description="completed, requires_action, failed, …")
+    status: Annotated[Text, StringConstraints(max_length=64, strip_whitespace=True, to_lower=True)] = Field(
+        default="completed", description="completed, requires_action, failed, … (any case); only completed is extracted"
+    )
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, description="the assistant's reply of this turn")
 

@@ -38,6 +38,7 @@ WRITE_MEMORY_TOOL: dict[str, Any] = {
 
 _CONTENT = TypeAdapter(WrittenContent)
 
+NO_WRITE_MEMORY = "this agent has no write_memory_id: memory writing is not enabled"
 PENDING_MESSAGE = "The fact is accepted and will be stored shortly; do not write it again."
 
 
@@ -69,7 +70,7 @@ async def call_write_memory(
     `project_id`."""
     memory_id = agent.knowledge_config.write_memory_id
     if not memory_id:
-        return {"error": "this agent has no write_memory_id: memory writing is not enabled"}
+        return {"error": NO_WRITE_MEMORY}
     if (problem := content_problem(content)) is not None:
         return {"error": problem}
     event = write_memory_event(

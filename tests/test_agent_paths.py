@@ -115,7 +115,8 @@ async def test_tool_target_is_fixed_by_write_memory_id(
                   "project_id": memory["project_id"]},
         )
     ).json()
-    assert "error" in no_target
+    # Told why: it was told its (absent) target "names no memory of this project".
+    assert no_target == {"error": "this agent has no write_memory_id: memory writing is not enabled"}
     assert (await client.get("/memory-entries", params={"memory_id": other["id"]})).json()["total"] == 0
 
 

@@ -57,6 +57,8 @@ TARGET = {"write_memory_id": "mem_AAAAAAAAAAAAAAAA"}
         ({**TARGET, "extraction": True}, {"streamed": True}, False, "streamed"),
         ({**TARGET, "extraction": True}, {"streamed": True, "extract": True}, False, "streamed"),
         ({**TARGET, "extraction": True}, {"status": "requires_action"}, False, "status_requires_action"),
+        ({**TARGET, "extraction": True}, {"status": " Completed "}, True, None),  # any case: was status_Completed
+        ({**TARGET, "extraction": True}, {"status": "REQUIRES_ACTION"}, False, "status_requires_action"),
         # Instructions and this service's reference context only: nothing was said.
         ({**TARGET, "extraction": True}, {"output": None, "messages": [
             {"role": "system", "content": "Be terse."}, {"role": "user", "content": PREAMBLE + "\n<knowledge>…"},

@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 
 from services.api.limits import MAX_HEAD_BYTES
+from services.cli import _models_line
 from shared.servers import LOCAL_RUN_NATS_FILE, free_port
+from shared.settings import Settings
 from tests.conftest import raw_exchange
 
 _SERVER_SETTINGS = ("DATABASE_URL", "NATS_URL", "MEMORIES_ADMIN_TOKEN", "MEMORIES_URL", "MEMORIES_TOKEN")
@@ -125,3 +127,12 @@ def test_up_killed_outright_takes_its_services_with_it_and_starts_again() -> Non
 def _of_this_run(process: Any, root: str) -> bool:
     command = " ".join(process.info["cmdline"] or [])
     return root in command or root in ((process.info["environ"] or {}).get("MEMORIES_DATA_DIR") or "")
+
+
+def test_the_start_up_note_says_what_models_the_run_can_ask() -> None:
+    """It said "no LLM is configured ... extraction is off" whenever MEMORIES_MERGE_MODEL was unset, also when the
+    agents' own models of an allowed provider were to be called."""
+    assert "extraction is off" in _models_line(Settings())
+    allowed = _models_line(Settings(memories_agent_model_providers="scripted"))
+    assert "extraction is off" not in allowed and "agents' models of scripted" in allowed
+    assert _models_line(Settings(memories_merge_model="openai/gpt-4o-mini")).endswith(": openai/gpt-4o-mini")

@@ -18,6 +18,7 @@ import numpy as np
 __all__ = [
     "LOCAL_DIMENSIONS",
     "LOCAL_MODEL",
+    "LOCAL_PREFIX",
     "EmbeddingError",
     "cosine",
     "embed_texts",
@@ -26,7 +27,7 @@ __all__ = [
 
 LOCAL_MODEL = "local/all-minilm-l6-v2-int8"
 LOCAL_DIMENSIONS = 384
-_LOCAL_PREFIX = "local/"
+LOCAL_PREFIX = "local/"
 
 
 class EmbeddingError(Exception):
@@ -61,7 +62,7 @@ async def embed_texts(
     from ._provider import litellm
 
     kwargs: dict[str, Any] = {}
-    if dimensions is not None and not model.startswith(_LOCAL_PREFIX):
+    if dimensions is not None and not model.startswith(LOCAL_PREFIX):
         # litellm rejects `dimensions` for custom providers outright, and for remote models that
         # cannot shorten; drop_params turns that into "ignored", and the length check below decides.
         kwargs.update(dimensions=dimensions, drop_params=True)

@@ -30,7 +30,7 @@ from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration
 from shared.events import CONTENT_MAX_CHARS, SourceType, Text, WrittenContent
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.providers import ResolutionError, agent_for_merges
-from shared.tools import WRITE_MEMORY_TOOL, call_write_memory
+from shared.tools import NO_WRITE_MEMORY, WRITE_MEMORY_TOOL, call_write_memory
 
 router = APIRouter(tags=["agents"], route_class=CheckedRoute)
 log = logging.getLogger("memories.api")
@@ -84,8 +84,10 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
     target = body.agent.knowledge_config.write_memory_id
     if body.memory_id is not None and body.memory_id != target:
         return ToolResult(error="the model cannot choose the memory: it is fixed by write_memory_id")
+    if not target:
+        return ToolResult(error=NO_WRITE_MEMORY)
     owners = request.app.state.memory_owners
-    if not target or not is_valid_id(target, MEMORY_PREFIX) or await owners.project_of(session, target) != project_id:
+    if not is_valid_id(target, MEMORY_PREFIX) or await owners.project_of(session, target) != project_id:
         return ToolResult(error="the agent's write_memory_id names no memory of this project")
     providers, routes, default_route = await registry.load_model_registry(session, project_id)
     try:
