@@ -60,6 +60,10 @@ async def test_idempotency_key_returns_the_first_outcome(
     assert await count_entries(sessions, other_memory["id"]) == 0
     bad_key = await client.post("/memory-entries", json=body, headers={"Idempotency-Key": "has space"})
     assert bad_key.status_code == 400
+    assert bad_key.json()["error"]["meta"]["invalid_fields"][0]["field"] == "Idempotency-Key"  # named, like any field
+    # Two keys: the first was used, silently. Which one the client meant cannot be told.
+    twice = await client.post("/memory-entries", json=body, headers=[("Idempotency-Key", "k1"), ("Idempotency-Key", "k2")])
+    assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
 
 
 def test_the_request_hash_is_of_what_the_client_chose() -> None:

@@ -154,7 +154,7 @@ async def orchestration_write(
         tags=body.tags,
         metadata=body.metadata,
         source_type=body.source_type,
-        write_id=write_id_for(project_id, idempotency_key),
+        write_id=write_id_for(project_id, idempotency_key, request),
     )
     return await submit_write(request, session, event, fresh_id=idempotency_key is None)
 

@@ -90,7 +90,7 @@ async def create_entry(
 ) -> JSONResponse:
     project_id = await writable_memory_project(request, session, principal, body.memory_id)
     event = MemoryWriteRequested(
-        event_id=write_id_for(project_id, idempotency_key),
+        event_id=write_id_for(project_id, idempotency_key, request),
         project_id=project_id,
         memory_id=body.memory_id,
         content=body.content,
@@ -103,12 +103,15 @@ async def create_entry(
     return await submit_write(request, session, event, fresh_id=idempotency_key is None)
 
 
-def write_id_for(project_id: str, idempotency_key: str | None) -> str:
+def write_id_for(project_id: str, idempotency_key: str | None, request: Request) -> str:
     """A client's Idempotency-Key names its write within the project; without one, every call is new."""
     if idempotency_key is None:
         return new_write_id()
+    if len(request.headers.getlist("idempotency-key")) > 1:  # FastAPI hands the route the first
+        raise invalid("Idempotency-Key is given more than once: which one names the write cannot be told",
+                      "Idempotency-Key")
     if not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
-        raise ApiError(400, "Idempotency-Key must be 1..255 visible ASCII characters")
+        raise invalid("Idempotency-Key must be 1..255 visible ASCII characters", "Idempotency-Key")
     return keyed_write_id(project_id, idempotency_key)
 
 
