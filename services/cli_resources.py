@@ -103,6 +103,13 @@ def kept_text(text: str) -> str:
     return text
 
 
+def positive_int(text: str) -> int:
+    value = int(text)  # argparse turns its ValueError into a usage error
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
 def finite_number(text: str) -> float:
     value = float(text)  # argparse turns its ValueError into a usage error
     if not math.isfinite(value):
@@ -347,11 +354,13 @@ def run_verb(args: argparse.Namespace) -> int:
 
 def run_import(args: argparse.Namespace) -> int:
     try:
-        data = Path(args.file).read_bytes()
-        text = data.decode("utf-8-sig")  # a byte order mark, as some editors write, is not part of line 1
-    except (OSError, UnicodeDecodeError) as exc:
+        data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    except OSError as exc:
         print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
+    # A byte order mark, as some editors write, is not part of line 1. Bytes that are no UTF-8 are kept as lone
+    # surrogates, so that the line holding them fails alone (parse_lines), not the whole file.
+    text = data.decode("utf-8-sig", errors="surrogateescape")
     summary = ImportSummary()
     lines = parse_lines(text, summary, earlier_digest=file_digest(data))
     bar = ProgressBar()
@@ -385,8 +394,14 @@ def run_import(args: argparse.Namespace) -> int:
 
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="the service (default: MEMORIES_URL or http://127.0.0.1:8000)")
-    common.add_argument("--token", help="bearer token (default: MEMORIES_TOKEN or .memories/admin_token)")
+    common.add_argument(
+        "--url", help="the service (default: MEMORIES_URL, else a local run's http://127.0.0.1:$MEMORIES_PORT, 8000)"
+    )
+    common.add_argument(
+        "--token",
+        help="bearer token (default: MEMORIES_TOKEN, else a local run's admin token: MEMORIES_ADMIN_TOKEN or the "
+        "admin_token file in MEMORIES_DATA_DIR, .memories)",
+    )
     common.add_argument("--json", action="store_true", help="print the API's JSON")
     return common
 
@@ -464,6 +479,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = subparsers.add_parser(
         "import", help="import entries from JSON Lines; re-running imports nothing twice", parents=[common]
     )
-    parser.add_argument("file", metavar="FILE.jsonl", help='lines of {"memory_id", "content", "tags"?, …}')
-    parser.add_argument("--concurrency", type=int, default=4, help="memories written at once (default 4)")
+    parser.add_argument("file", metavar="FILE.jsonl", help='lines of {"memory_id", "content", "tags"?, …}; - reads stdin')
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="memories written at once (default 4)")
     parser.set_defaults(func=run_import)

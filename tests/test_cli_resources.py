@@ -4,8 +4,10 @@ PostgreSQL, NATS and writers): --json output, tables, exit codes, and a re-runna
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -376,6 +378,25 @@ async def test_failures_past_the_listed_ones_are_counted(cli: Cli, memory_id: st
     assert code == 1 and summary["failed"] == 150 and summary["failures_not_listed"] == 50
     assert [f["line"] for f in summary["failures"]] == list(range(1, 101))
     assert "… and 50 more failed lines, not listed" in err
+
+
+async def test_import_reads_stdin_and_a_line_of_no_utf8_fails_alone(
+    cli: Cli, memory_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One byte that is no UTF-8 refused the whole file (exit 2), where a bad line should fail alone; `-` was
+    read as a file named "-"."""
+    good = json.dumps({"memory_id": memory_id, "content": "Read from standard input"}).encode()
+    bad = b'{"memory_id": "' + memory_id.encode() + b'", "content": "caf\xe9 latin-1"}'
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(good + b"\n" + bad + b"\n")))
+    code, out, err = await cli("import", "-")
+    assert code == 1, err
+    assert out.strip() == "2 lines: 1 created, 0 skipped (0 already imported), 1 failed"
+    assert "line 2: not UTF-8 text" in err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(good)))
+    code, out, _ = await cli("import", "-")
+    assert out.strip() == "1 line: 0 created, 1 skipped (1 already imported), 0 failed"
+    code, _, err = await cli("import", "-", "--concurrency", "0")
+    assert code == 2 and "must be 1 or more" in err
 
 
 async def test_a_key_that_may_only_write_can_import(cli: Cli, memory_id: str, project_id: str, tmp_path: Path) -> None:

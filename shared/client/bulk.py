@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -68,7 +69,8 @@ class ImportSummary:
     def describe(self) -> str:
         others = "".join(f", {n} {name}" for name, n in self.counts.items() if name not in MAIN_OUTCOMES)
         return (
-            f"{self.total} lines: {self.counts['created']} created, {self.counts['skipped']} skipped "
+            f"{self.total} line{'' if self.total == 1 else 's'}: {self.counts['created']} created, "
+            f"{self.counts['skipped']} skipped "
             f"({self.already_imported} already imported){others}, {self.counts['failed']} failed"
         )
 
@@ -112,6 +114,11 @@ def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+# Bytes that were no UTF-8, as a file read with errors="surrogateescape" holds them (lone surrogates, which no
+# text decoded from UTF-8 can hold).
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
 def parse_lines(text: str, summary: ImportSummary, earlier_digest: str | None = None) -> list[ImportLine]:
     """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored.
 
@@ -136,6 +143,8 @@ def parse_lines(text: str, summary: ImportSummary, earlier_digest: str | None = 
 
 
 def _parse(number: int, raw: str, seen: Counter[str]) -> ImportLine:
+    if _UNDECODED.search(raw):
+        raise BadLine("not UTF-8 text")
     try:
         value = strict_json(raw)
     except json.JSONDecodeError as exc:
