@@ -17,7 +17,15 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 CONTENT_MAX_CHARS = 8_000
 TAG_MAX_CHARS = 128
@@ -315,11 +323,26 @@ class ConversationDeleted(Event):
     conversation_id: str = Field(min_length=1, max_length=255)
 
 
+def _text_of_parts(content: Any) -> Any:
+    """A message's content as OpenAI's APIs may give it, a list of parts: its text parts (`text`, `input_text`,
+    `output_text`: whatever carries a `text` string) joined by a space; other parts (an image, audio, a file)
+    say nothing a transcript can hold."""
+    if not isinstance(content, list):
+        return content
+    if not all(isinstance(part, dict) for part in content):
+        raise ValueError("a list of content parts must hold objects ({type, text, …})")
+    return " ".join(part["text"] for part in content if isinstance(part.get("text"), str)) or None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     role: str
-    content: str | None = None
+    content: Annotated[
+        str | None,
+        BeforeValidator(_text_of_parts, json_schema_input_type=str | list[dict[str, Any]] | None),
+        Field(description="text, or a list of content parts whose text parts are read"),
+    ] = None
 
 
 class GenerationAgent(EitherCase):
