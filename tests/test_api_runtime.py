@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -185,6 +186,18 @@ async def test_a_request_body_that_never_completes_is_answered_408_and_closed() 
         answered = await asyncio.to_thread(raw_exchange, port, head + b"abcd", b"efghij" + head, b"0123456789", pause=0.3)
         assert answered.count(b'{"bytes":10}') == 2 and b"408" not in answered, answered
         assert bodies == [b"abcdefghij", b"0123456789"]
+
+
+async def test_a_request_the_parser_cannot_read_is_answered_in_the_envelope() -> None:
+    app = FastAPI()
+    async with served(app, BoundedHeadHttpTools) as port:
+        counted = refused_by_the_protocol(400)
+        for garbage in (b"GARBAGE\r\n\r\n", b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n"):
+            answered = await asyncio.to_thread(raw_exchange, port, garbage)
+            head, _, body = answered.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, answered  # was text/plain
+            assert json.loads(body)["error"]["code"] == "VALIDATION_FAILED"
+        assert refused_by_the_protocol(400) == counted + 2
 
 
 async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_error(settings: Settings) -> None:

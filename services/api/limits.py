@@ -134,6 +134,10 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         else:
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to bytes its parser cannot read is plain text; every answer of this API is the envelope.
+        self._refuse(400, b"Bad Request", "VALIDATION_FAILED", _NOT_HTTP)
+
     def _refuse(self, status: int, reason: bytes, code: str, message: str) -> None:
         """An answer in the error envelope written by the protocol itself (no request reached the app, nor the
         response counter, so it is counted here); the connection is closed after it."""
@@ -157,4 +161,5 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
 
 _HEAD_TOO_LARGE = f"the request line and headers may take at most {MAX_HEAD_BYTES // 1024} KiB"
 _HEAD_TOO_SLOW = f"the request line and headers must arrive within {HEAD_TIMEOUT_S:g} s"
+_NOT_HTTP = "the request is not HTTP/1.1 this server can read (a malformed request line, header or length)"
 _BODY_TOO_SLOW = f"the request body must arrive within {BODY_TIMEOUT_S:g} s of the headers"
