@@ -119,6 +119,14 @@ def refuse_blank(value: str) -> str:
     return value
 
 
+def one_visible_line(label: str) -> str:
+    """A label (a name, a tag) is shown in lists, tables and an agent's context: a line break, a tab or a terminal
+    escape in it breaks each of them, and one of nothing but invisible characters labels nothing."""
+    if any(unicodedata.category(char) == "Cc" for char in label):
+        raise ValueError("must be one line of text, without control characters (line breaks, tabs, escapes)")
+    return refuse_blank(label)
+
+
 Text = Annotated[str, AfterValidator(refuse_nul)]
 Reference = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
 """An id a platform names something by (its agent, a registered provider, a model route): it reaches logs and
@@ -146,7 +154,12 @@ StoredContent = Annotated[
 ]
 WrittenContent = Annotated[StoredContent, AfterValidator(refuse_blank)]
 """What a client or a model may write as an entry's content (the bus event takes any StoredContent)."""
-Tag = Annotated[str, StringConstraints(min_length=1, max_length=TAG_MAX_CHARS), AfterValidator(refuse_nul)]
+Tag = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=TAG_MAX_CHARS),
+    AfterValidator(refuse_nul),
+    AfterValidator(one_visible_line),
+]
 def refuse_address(model: str) -> str:
     # Some litellm providers (oobabooga, huggingface) call the URL a model's name holds, whatever the provider's
     # registered address: a model named by a request must never point the service somewhere.

@@ -69,6 +69,8 @@ async def test_create_memory_rejects_unknown_and_missing_fields(
         {"name": "two\nlines"},  # breaks the lists, the tables, an agent's context
         {"name": "a\tb"},
         {"name": "\x1b[31mred"},  # a terminal escape
+        {"name": "x", "tags": ["  "]},  # a tag of nothing to see, and one of two lines: accepted before
+        {"name": "x", "tags": ["role:\nadmin"]},
     ],
 )
 async def test_create_memory_validates_types_and_sizes(

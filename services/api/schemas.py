@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import unicodedata
 from datetime import UTC, datetime
 from functools import cache
 from typing import Annotated, Any, Generic, TypeVar, get_args
@@ -28,7 +27,7 @@ from shared.events import (
     WriteAction,
     WritePolicy,
     WrittenContent,
-    refuse_blank,
+    one_visible_line,
     refuse_nul,
 )
 
@@ -39,19 +38,11 @@ def _utc(value: datetime | None) -> str | None:
 
 Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
 OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
-def _one_line(name: str) -> str:
-    # A name is a label in lists, tables and an agent's context: a line break, a tab or a terminal escape in it
-    # breaks each of them, and one of nothing but invisible characters names nothing.
-    if any(unicodedata.category(char) == "Cc" for char in name):
-        raise ValueError("must be one line of text, without control characters (line breaks, tabs, escapes)")
-    return refuse_blank(name)
-
-
 Name = Annotated[
     str,
     StringConstraints(min_length=1, max_length=255, strip_whitespace=True),
     AfterValidator(refuse_nul),
-    AfterValidator(_one_line),
+    AfterValidator(one_visible_line),
 ]
 Description = Annotated[str, StringConstraints(max_length=4_000), AfterValidator(refuse_nul)]
 # Numbers must be JSON numbers: "0.5" or true is a client bug to report, not to guess at.
