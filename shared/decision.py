@@ -51,10 +51,6 @@ class Rule(StrEnum):
     ARBITRATION_UNAVAILABLE = "arbitration_unavailable"
 
 
-UNCHANGED = "unchanged"
-"""The suffix of a merge's or an update's rule when the rewrite was the stored fact itself: skipped."""
-
-
 class Operation(StrEnum):
     ADD = "add"
     UPDATE = "update"
@@ -211,15 +207,7 @@ async def _apply_verdict(
     merged = await _usable_rewrite(verdict.content, verdict.target.content, incoming.content, relatedness)
     if merged is None:
         return None
-    return _rewritten(rule, verdict.target, merged)
-
-
-def _rewritten(rule: str, target: Candidate, merged: str) -> Decision:
-    """An accepted rewrite of the stored fact. One that says what the stored fact says already (the model found
-    nothing new in the write) changes nothing: the write is skipped, not an update that leaves the text as it was."""
-    if normalize_content(merged) == normalize_content(target.content):
-        return Decision(WriteAction.SKIPPED, f"{rule}:{UNCHANGED}", target)
-    return Decision(WriteAction.UPDATED, rule, target, merged_content=merged)
+    return Decision(WriteAction.UPDATED, rule, verdict.target, merged_content=merged)
 
 
 async def _seed_rule(
@@ -249,4 +237,4 @@ async def _seed_rule(
     merged = await _usable_rewrite(merged, nearest.content, incoming.content, relatedness)
     if merged is None:
         return Decision(WriteAction.CREATED, Rule.MERGE_FAILED, nearest)
-    return _rewritten(Rule.MERGED, nearest, merged)
+    return Decision(WriteAction.UPDATED, Rule.MERGED, nearest, merged_content=merged)

@@ -153,14 +153,6 @@ async def test_arbitration_operations_on_a_target(operation, content, action, me
     assert decision.merged_content == merged and decision.rule == f"arbitrated:{operation}"
 
 
-async def test_a_verdict_to_update_a_fact_to_its_own_text_is_a_skip() -> None:
-    target = near(0.9, REVERSED)
-    decision = await arbitrated(verdict(Operation.UPDATE, target, REVERSED + "."), [target, OTHER])
-    assert (decision.action, decision.rule, decision.merged_content) == (
-        WriteAction.SKIPPED, "arbitrated:update:unchanged", None
-    )
-
-
 async def test_a_verdict_to_skip_a_changed_near_duplicate_is_refused() -> None:
     # "Customer prefers phone calls over email" is no copy of "Customer prefers email over phone calls".
     decision = await arbitrated(verdict(Operation.SKIP, near(0.99)), [near(0.99), OTHER])
@@ -281,10 +273,7 @@ async def test_a_rewrite_that_copies_one_fact_must_not_lose_what_the_other_chang
         # Where they do not, a copy of the shorter fact drops the other's detail, and a short rewrite surely does.
         (EXISTING, detailed, EXISTING + ".", Rule.MERGE_FAILED),
         (EXISTING, detailed, detailed, Rule.MERGED),  # the longer new fact says all the stored one did
-        # The longer stored fact says all the new one does: nothing to change, so the write is skipped (it was an
-        # "update" that left the text as it was).
-        (detailed, EXISTING, detailed, f"{Rule.MERGED}:unchanged"),
-        (detailed, EXISTING, detailed.upper() + ".", f"{Rule.MERGED}:unchanged"),  # the same fact, as normalised
+        (detailed, EXISTING, detailed, Rule.MERGED),  # the longer stored fact says all the new one does
         (EXISTING, detailed, "Customer prefers email", Rule.MERGE_FAILED),
         (EXISTING, detailed, "Customer prefers email over phone calls in the morning", Rule.MERGED),
         # Where they conflict the new fact wins, however short it is beside the old one.
@@ -296,10 +285,6 @@ async def test_a_rewrite_that_copies_one_fact_must_not_lose_what_the_other_chang
             nearest=[near(0.9, existing)], consolidate=replying(reply), relatedness=scores(0.9, 0.9),
         )
         assert decision.rule == rule, (existing, incoming, reply)
-        if rule.endswith(":unchanged"):
-            assert (decision.action, decision.merged_content, decision.target) == (
-                WriteAction.SKIPPED, None, near(0.9, existing)
-            )
 
 
 async def test_an_embedder_failure_while_checking_a_rewrite_is_retried_not_a_failed_merge() -> None:
