@@ -202,16 +202,16 @@ async def memory(client: httpx.AsyncClient, project: dict[str, Any]) -> dict[str
     return response.json()
 
 
-def raw_exchange(port: int, *requests: bytes, pause: float = 0.0) -> bytes:
+def raw_exchange(port: int, *requests: bytes, pause: float = 0.0, quiet_s: float = 1.0) -> bytes:
     """Send raw HTTP/1.1 on one connection (`pause` seconds between the parts, so that each arrives as one
-    read); everything the server answered until it closed or went quiet."""
+    read); everything the server answered until it closed or went quiet for `quiet_s`."""
     with socket.create_connection((LOOPBACK, port), timeout=5) as connection:
         for request in requests:
             connection.sendall(request)
             time.sleep(pause)
         answered = b""
         with contextlib.suppress(TimeoutError, ConnectionResetError):
-            connection.settimeout(1.0)
+            connection.settimeout(quiet_s)
             while chunk := connection.recv(65536):
                 answered += chunk
     return answered

@@ -188,6 +188,28 @@ async def test_a_request_body_that_never_completes_is_answered_408_and_closed() 
         assert bodies == [b"abcdefghij", b"0123456789"]
 
 
+async def test_the_body_timeout_counts_only_while_the_server_reads() -> None:
+    """uvicorn stops reading while a pipelined request waits for the one before it, and while the app has not read
+    a large body it buffered: neither is the client's delay (both were closed as too slow, the first request's
+    answer lost)."""
+    app = FastAPI()
+
+    @app.post("/slow")
+    async def slow(request: Request) -> dict[str, int]:
+        await asyncio.sleep(1.2)  # over two body timeouts before the body is read
+        return {"bytes": len(await request.body())}
+
+    async with served(app, QuickHeadTimeout) as port:
+        small = b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nab"
+        pipelined = small + b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"
+        answered = await asyncio.to_thread(raw_exchange, port, pipelined, b"cd", pause=0.1, quiet_s=3.0)
+        assert answered.count(b'{"bytes":2}') == 2 and b"408" not in answered, answered
+        body = b"b" * (200 * 1024)  # beyond what uvicorn buffers before it stops reading
+        big = b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        answered = await asyncio.to_thread(raw_exchange, port, big, quiet_s=3.0)
+        assert b'{"bytes":204800}' in answered and b"408" not in answered, answered[:200]
+
+
 async def test_a_request_the_parser_cannot_read_is_answered_in_the_envelope() -> None:
     app = FastAPI()
     async with served(app, BoundedHeadHttpTools) as port:

@@ -121,6 +121,11 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         self._too_slow(_HEAD_TOO_SLOW, answerable=self.cycle is None or self.cycle.response_complete)
 
     def _body_too_slow(self) -> None:
+        if self.flow.read_paused:
+            # The server stopped reading, not the client sending: a pipelined request waits for the one before it,
+            # or the app has not yet read what is buffered. The client's time starts again when reading does.
+            self._expect(self.body_timeout_s, self._body_too_slow)
+            return
         # `cycle` is this request; its app, waiting for the body, reads a disconnect once the connection closes.
         # An answer it began, or one to a request before it (pipelined), is not to be cut into.
         self._too_slow(_BODY_TOO_SLOW, answerable=not self.pipeline and not self.cycle.response_started)
