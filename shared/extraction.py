@@ -116,18 +116,18 @@ def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None
     return [{"role": "user", "content": f"{instructions}\n\n{CONTRACT_LINE}\n\nConversation:\n{transcript}"}]
 
 
-def parse_candidates(text: str) -> list[str] | None:
+def parse_candidates(text: str) -> list[str]:
     """From the first `[` to the last `]`; strings or `{content}` objects; empty and over-long ones dropped; at
-    most 20. None when the answer holds no JSON array at all: unreadable, which is not "no facts" (`[]`)."""
+    most 20."""
     start, end = text.find("["), text.rfind("]")
     if start < 0 or end <= start:
-        return None
+        return []
     try:
         items = json.loads(text[start : end + 1])
     except ValueError:
-        return None
+        return []
     if not isinstance(items, list):
-        return None
+        return []
     facts = []
     for item in items:
         content = item.get("content") if isinstance(item, dict) else item
@@ -138,12 +138,6 @@ def parse_candidates(text: str) -> list[str] | None:
             if not is_blank(content) and len(content) <= CONTENT_MAX_CHARS:
                 facts.append(content)
     return facts[:MAX_CANDIDATES]
-
-
-def _excerpt(text: str, limit: int = 80) -> str:
-    """The start of a model's answer, on one line, for a reason a tenant reads."""
-    line = " ".join(storable(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def candidate_write_id(project_id: str, generation_id: str, index: int, content: str) -> str:
@@ -212,16 +206,10 @@ class Extractor:
             facts, model = list(done.facts), done.model
         else:
             asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
-            candidates = parse_candidates(completion.text)
-            if candidates is None:
-                # Told apart from a turn with nothing to remember: the model (or its prompt) needs looking at. Not
-                # retried here (at temperature 0 it would answer the same); reporting the turn again retries it.
-                reason = f"unreadable_answer: no JSON array of facts in the model's answer ({_excerpt(completion.text)})"
-                return await self._finish(event, ExtractionResult("failed", reason, ExtractionSummary(), asked.model))
             async with self._sessions.begin() as session:
                 # Another extraction of this turn may have saved its answer first: that one is written.
                 facts, model = await registry.save_extracted_facts(
-                    session, event.project_id, event.generation_id, candidates, asked.model
+                    session, event.project_id, event.generation_id, parse_candidates(completion.text), asked.model
                 )
         # The target of the model that answered (its merges use it too); the first when none is known.
         target = next((t for t in targets if t.model == model), targets[0])

@@ -128,10 +128,10 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         ('["A", "B"]', ["A", "B"]),
         ('Sure! Here you go:\n["A", {"content": "B"}, "", "  ", 7, {"x": 1}]\nHope it helps.', ["A", "B"]),
         ("[]", []),
-        ("no json here", None),  # unreadable, not "no facts": the extraction fails, saying so
-        ('["unterminated', None),
+        ("no json here", []),
+        ('["unterminated', []),
         ('{"facts": ["A"]}', ["A"]),  # first [ to last ]
-        ('[1, 2', None),
+        ('[1, 2', []),
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
         ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
         ('["\\u200b", "\\ufeff \\u200b", "C"]', ["C"]),  # invisible characters only: blank, as a client's would be
@@ -139,7 +139,7 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         (json.dumps(["A", "x" * 8_001, "y" * 8_000]), ["A", "y" * 8_000]),
     ],
 )
-def test_parse_candidates(text: str, facts: list[str] | None) -> None:
+def test_parse_candidates(text: str, facts: list[str]) -> None:
     assert parse_candidates(text) == facts
 
 

@@ -134,26 +134,6 @@ async def test_a_turns_agent_is_read_in_camel_case_too(
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "VALIDATION_FAILED", refused.text
 
 
-async def test_an_answer_with_no_facts_array_fails_saying_so_and_a_report_again_retries_it(
-    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
-) -> None:
-    """It was `completed` with no candidates, as a turn with nothing worth remembering is: a model (or a custom
-    prompt) that never answers in the asked form went unnoticed."""
-    model = llm.script("extract-prose", "Sure! The user moved to Porto and is allergic to peanuts.")
-    await client.post("/generations/completed", json=turn_body(memory, model, "gen_prose"))
-    outcome = await finished(client, memory, "gen_prose")
-    assert outcome["status"] == "failed" and outcome["model"] == model, outcome
-    assert outcome["reason"] == (
-        "unreadable_answer: no JSON array of facts in the model's answer (Sure! The user moved to Porto and is "
-        "allergic to peanuts.)"
-    )
-    llm.script("extract-prose", json.dumps(FACTS))
-    again = await client.post("/generations/completed", json=turn_body(memory, model, "gen_prose"))
-    assert again.status_code == 202
-    outcome = await finished(client, memory, "gen_prose")
-    assert outcome["status"] == "completed" and outcome["summary"]["created"] == 3, outcome
-
-
 async def test_custom_prompt_keeps_the_contract(client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM) -> None:
     model = llm.script("extract-custom", "[]")
     config = {"write_memory_id": memory["id"], "extraction": {"prompt": "Only extract where the user lives."}}
