@@ -134,8 +134,9 @@ stored reasons, so it is bounded and holds no NUL."""
 
 
 class EitherCase(BaseModel):
-    """An object as a platform may store it, its keys camelCase or snake_case, read as snake_case. One key in both
-    spellings with two values is refused: which one the platform meant cannot be told."""
+    """An object as a platform may store it: a key naming one of the model's fields in camelCase is read as that
+    field. One field given in both spellings with two values is refused: which one the platform meant cannot be
+    told. Other keys pass as they are (ignored, or refused by a model that forbids extras)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -145,7 +146,9 @@ class EitherCase(BaseModel):
         keys: dict[str, Any] = {}
         for key, item in value.items():
             name = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).lower()
-            if name in keys and keys[name] != item:
+            if name not in cls.model_fields:
+                name = key
+            elif name in keys and keys[name] != item:
                 raise ValueError(f"{name} is given twice, in two spellings, with different values")
             keys[name] = item
         return keys

@@ -261,3 +261,17 @@ def test_a_provider_failure_is_told_without_traceback_link_or_credentials() -> N
     assert describe_failure(TimeoutError()) == "TimeoutError"
     long = describe_failure(RuntimeError("x" * 1000))
     assert len(long) == FAILURE_MAX_CHARS and long.endswith("…")
+
+
+def test_an_agent_is_read_in_either_case_and_its_other_keys_pass_as_they_are() -> None:
+    """A platform's own keys in both spellings (createdAt, created_at) are not the service's to judge: they refused
+    the whole turn. A field of the service given twice, differently, is refused; an unknown key of a strict
+    config is named as it was sent."""
+    agent = GenerationAgent.model_validate(
+        {"aiProviderId": "aip_1", "createdAt": 1, "created_at": 2, "knowledgeConfig": {"writeMemoryId": "mem_x"}}
+    )
+    assert (agent.ai_provider_id, agent.knowledge_config) == ("aip_1", {"writeMemoryId": "mem_x"})
+    with pytest.raises(ValidationError, match="ai_provider_id is given twice"):
+        GenerationAgent.model_validate({"aiProviderId": "aip_1", "ai_provider_id": "aip_2"})
+    with pytest.raises(ValidationError, match="memoryIdz"):
+        KnowledgeConfig.model_validate({"memoryIdz": ["mem_x"]})
