@@ -39,7 +39,7 @@ WRITE_MEMORY_TOOL: dict[str, Any] = {
 _CONTENT = TypeAdapter(WrittenContent)
 
 NO_WRITE_MEMORY = "this agent has no write_memory_id: memory writing is not enabled"
-PENDING_MESSAGE = "The fact is accepted and will be stored shortly; do not write it again."
+PENDING_MESSAGE = "The fact is accepted and will be remembered shortly; do not write it again."
 
 
 def content_problem(content: Any) -> str | None:
