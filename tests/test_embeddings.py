@@ -150,6 +150,18 @@ def test_the_token_count_covers_every_window() -> None:
     assert encoder.encode_counted([SENTENCES[0], LONG_A])[1] == short_count + long_count
 
 
+def test_a_text_is_read_in_at_most_nine_windows() -> None:
+    """8,000 characters that are a token each (punctuation, digits, CJK) made ~36 windows: ~4 s of CPU for one search
+    query, which stalled every other search of the API. What lies past the ninth window does not count."""
+    from shared.embeddings import _onnx
+
+    encoder = _onnx.get_encoder()
+    dots, tail_differs = "." * 8_000, "." * 7_990 + " Porto, 42"
+    (first, second), tokens = encoder.encode_counted([dots, tail_differs])
+    assert tokens == 2 * _onnx.MAX_WINDOWS * _onnx.MAX_TOKENS  # every window full: 9 each, not 36
+    assert float(first @ second) > 0.9999
+
+
 async def test_concurrent_calls_agree_with_a_sequential_one() -> None:
     expected = await embed_texts(SENTENCES[:3], model=LOCAL_MODEL)
     results = await asyncio.gather(*(embed_texts(SENTENCES[:3], model=LOCAL_MODEL) for _ in range(4)))

@@ -34,6 +34,10 @@ MAX_TOKENS = 256  # the model's max_seq_length, [CLS] and [SEP] included: the si
 # Tokens a window repeats from the end of the one before: a sentence of up to this length that a
 # window's end cuts in two is still seen whole by the next window.
 WINDOW_OVERLAP = 32
+# Windows a text is read in at most: ~2,000 tokens, the 8,000 characters of English a text may hold. Characters
+# that are a token each (punctuation, digits, CJK) would otherwise make 8,000 characters ~36 windows, ~4 s of CPU
+# for one search query or write; the tokens past the last window do not count in the vector.
+MAX_WINDOWS = 9
 TOKENIZER_PATH = Path(__file__).parent / "data" / "tokenizer.json"
 
 # Sub-batches are formed from length-sorted windows so one long window does not pad a whole batch:
@@ -129,7 +133,7 @@ class MiniLMEncoder:
         # Only a text that filled its first window can have more; testing the length first spares
         # short texts a read of `overflowing`, which copies.
         for i in [i for i, n in enumerate(lengths) if n == MAX_TOKENS]:
-            if rest := windows[i].overflowing:
+            if rest := windows[i].overflowing[: MAX_WINDOWS - 1]:
                 later_windows.append((i, range(len(windows), len(windows) + len(rest))))
                 windows += rest
                 lengths += [len(window) for window in rest]
