@@ -243,6 +243,22 @@ async def test_a_failing_embedder_fails_the_write_and_writes_nothing(
     assert stored is not None and stored.status == "failed" and stored.failed_attempts == 1
 
 
+async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
+    client: httpx.AsyncClient, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish a hung NATS server never confirmed may reach the stream later and be applied (seen in a walk-through:
+    the entry appeared after the 503). The 503 said "unavailable" with no write id to look the write up by."""
+    async def unconfirmed(*_args: Any, **_kwargs: Any) -> None:
+        raise bus.BusUnavailable("nats: timeout")
+
+    monkeypatch.setattr(bus, "publish_or_refuse", unconfirmed)
+    refused = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Sent into a hung bus"})
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "SERVICE_UNAVAILABLE" and "may still be applied" in error["message"]
+    assert error["meta"]["write_id"].startswith("wr_")
+
+
 async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(
     settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:

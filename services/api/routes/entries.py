@@ -126,7 +126,14 @@ async def submit_write(
             event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id, client_key=not fresh_id
         )
     except bus.BusUnavailable as exc:
-        raise ApiError(503, f"the message bus is unavailable; retry with the same Idempotency-Key ({exc})") from exc
+        # Not "failed": a publish the bus did not confirm in time (a hung server) may still reach the stream and be
+        # applied. The write id lets the client look it up; a retry with the same Idempotency-Key is safe either way.
+        raise ApiError(
+            503,
+            f"the message bus did not take the write ({exc}); it may still be applied: look it up by its write_id, "
+            "or retry with the same Idempotency-Key",
+            meta={"write_id": event.write_id},
+        ) from exc
     except IdempotencyKeyReused as exc:
         raise ApiError(
             409, "this Idempotency-Key was first used for a different request", meta={"write_id": exc.write_id}
