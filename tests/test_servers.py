@@ -4,6 +4,7 @@ to them give up on a server that hangs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import subprocess
@@ -190,3 +191,27 @@ async def test_database_connections_give_up_on_a_vanished_server(settings: Setti
     separator = "&" if "?" in settings.database_url else "?"
     operators = await parameters(f"{settings.database_url}{separator}keepalives_idle=120")
     assert (operators["keepalives_idle"], operators["keepalives_interval"]) == ("120", "5")
+
+
+async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py's default error callback logged each failed reconnect at ERROR with a traceback (7 in 10 s of an
+    outage the service waits out)."""
+    from shared import bus
+
+    server = EmbeddedNats(tmp_path / "nats")
+    try:
+        nc = await bus.connect(server.start(), name="outage-test")
+        server.stop()
+        with caplog.at_level(logging.WARNING):
+            for _ in range(100):
+                if any(r.getMessage().startswith("NATS connection:") for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+        reports = [r for r in caplog.records if r.getMessage().startswith("NATS connection:")]
+        assert reports and all(r.exc_info is None and r.levelno == logging.WARNING for r in reports)
+        assert not [r for r in caplog.records if r.name.startswith("nats") and r.exc_info], caplog.text
+        await nc.close()
+    finally:
+        server.stop()
