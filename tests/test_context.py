@@ -182,6 +182,12 @@ async def test_the_route_returns_the_message_and_the_results(
     assert response.status_code == 200, response.text
     body = response.json()
     assert [r["content"] for r in body["results"]] == ["Reject refunds above $500"]
+    # The config's own key as a platform stores it, camelCase too (it was a 400, unknown field "knowledgeConfig").
+    camel = await client.post(
+        "/knowledge/context",
+        json={"project_id": project["id"], "knowledgeConfig": agent_config, "message": "refund policy?"},
+    )
+    assert camel.status_code == 200 and camel.json() == body, camel.text
     assert body["results"][0]["score"] == body["results"][0]["similarity_score"]
     assert (
         body["message"]["role"] == "user" and "[Memory: Customer Preferences (" in body["message"]["content"]

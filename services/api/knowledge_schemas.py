@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, Field, StrictInt, StringConstraints
+from pydantic import AfterValidator, AliasChoices, BaseModel, Field, StrictInt, StringConstraints
 from pydantic import Strict as JsonTypesOnly
 
 from services.api.schemas import Strict, Timestamp
@@ -30,7 +30,10 @@ class KnowledgeSearch(Strict):
 
 class KnowledgeContextRequest(Strict):
     project_id: str | None = None
-    knowledge_config: KnowledgeConfig = Field(default_factory=KnowledgeConfig)
+    # An agent's config as the platform stores it, its key (and its own keys) camelCase or snake_case.
+    knowledge_config: KnowledgeConfig = Field(
+        default_factory=KnowledgeConfig, validation_alias=AliasChoices("knowledge_config", "knowledgeConfig")
+    )
     message: UserMessage | None = Field(default=None, description="the last user message: the query")
 
 
