@@ -21,7 +21,7 @@ from shared.settings import Settings, get_settings
 
 log = logging.getLogger("memories")
 
-_SERVICES = ("api", "writer", "extractor")
+_SERVICES = ("api", "writer", "extractor")  # the API first: it is stopped before the others (_stop_services)
 
 
 def _configure_logging() -> None:
@@ -107,14 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         _announce(env, settings, metrics_ports)
         return _supervise(children)
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _stop_services(children, api_grace_s=settings.memories_write_timeout_s + 5)
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
             noted_nats.unlink(missing_ok=True)
         for server in reversed(started):
@@ -133,12 +126,13 @@ def _stdout_reader_gone() -> bool:
         return False
 
 
-def _ends_with(parent: int) -> Callable[[], None] | None:
-    """For a child of `up`, run before its exec: SIGTERM when `up` dies, even by SIGKILL (Linux's parent-death
-    signal), so that no service outlives it holding the port (the servers it started are stopped by the next
-    `up`, through their pid files)."""
+def _ends_with(parent: int) -> Callable[[], None]:
+    """For a child of `up`, run before its exec. Its own process group: a terminal's Ctrl-C reaches `up` alone,
+    which stops the services in order (_stop_services). And SIGTERM when `up` dies, even by SIGKILL (Linux's
+    parent-death signal), so that no service outlives it holding the port (the servers it started are stopped by
+    the next `up`, through their pid files)."""
     if not sys.platform.startswith("linux"):
-        return None
+        return os.setpgrp
 
     import ctypes
 
@@ -146,11 +140,30 @@ def _ends_with(parent: int) -> Callable[[], None] | None:
     pr_set_pdeathsig = 1
 
     def ask_for_sigterm() -> None:
+        os.setpgrp()
         prctl(pr_set_pdeathsig, signal.SIGTERM)
         if os.getppid() != parent:  # `up` died before the request took effect
             os._exit(0)
 
     return ask_for_sigterm
+
+
+def _stop_services(children: Sequence[subprocess.Popen[bytes]], *, api_grace_s: float) -> None:
+    """The API first (children[0]), the others once it is gone: its writes in flight are still decided by a
+    running writer and answered, where stopping every service at once left them waiting out their timeout for a
+    202, or cut off by the kill. Each is killed if it outlasts its grace: the API's covers a write's timeout."""
+    api, others = children[:1], children[1:]
+    for group, grace_s in ((api, api_grace_s), (others, 15.0)):
+        for child in group:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                child.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("service %s did not stop within %g s; killing it", child.args, grace_s)
+                child.kill()
+                child.wait()
 
 
 def _metrics_ports(settings: Settings) -> dict[str, int]:

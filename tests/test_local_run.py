@@ -136,3 +136,41 @@ def test_the_start_up_note_says_what_models_the_run_can_ask() -> None:
     allowed = _models_line(Settings(memories_agent_model_providers="scripted"))
     assert "extraction is off" not in allowed and "agents' models of scripted" in allowed
     assert _models_line(Settings(memories_merge_model="openai/gpt-4o-mini")).endswith(": openai/gpt-4o-mini")
+
+
+def test_the_api_is_stopped_before_the_services_that_decide_its_writes() -> None:
+    """Every service was sent SIGTERM at once: the writer stopped, the API's writes in flight waited out their
+    timeout for a 202, and with a timeout over 15 s the API was killed before answering them."""
+    events: list[str] = []
+
+    class Service:
+        def __init__(self, name: str, stops_in_s: float) -> None:
+            self.args, self.stops_in_s, self.stopped = name, stops_in_s, False
+
+        def poll(self) -> int | None:
+            return 0 if self.stopped else None
+
+        def send_signal(self, signum: int) -> None:
+            events.append(f"{self.args} {signal.Signals(signum).name}")
+
+        def wait(self, timeout: float | None = None) -> int:
+            if timeout is not None and self.stops_in_s > timeout:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            events.append(f"{self.args} exited")
+            self.stopped = True
+            return 0
+
+        def kill(self) -> None:
+            events.append(f"{self.args} killed")
+            self.stops_in_s = 0
+
+    from services.cli import _stop_services
+
+    api, writer, extractor = Service("api", 18), Service("writer", 1), Service("extractor", 1)
+    _stop_services([api, writer, extractor], api_grace_s=25)  # type: ignore[list-item]
+    assert events == ["api SIGTERM", "api exited", "writer SIGTERM", "extractor SIGTERM", "writer exited",
+                      "extractor exited"]
+    events.clear()
+    stuck = Service("api", 60)
+    _stop_services([stuck], api_grace_s=25)  # type: ignore[list-item]
+    assert events == ["api SIGTERM", "api killed", "api exited"]
