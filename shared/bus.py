@@ -357,6 +357,8 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
     count still pulls from it (a write it takes after its consumer is gone is stuck): (deleted, kept because busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
     Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
     status = await bus_status(js, settings)
+    if status.partitions is None:
+        raise PartitionCountMismatch("the bus is not laid out yet: nothing to prune (`memories bus init` lays it out)")
     if status.partitions != settings.memories_partitions:
         raise PartitionCountMismatch(
             f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "

@@ -112,7 +112,7 @@ EXTRACTIONS = _counter("memories_extractions", "Generation turns handled by the 
 EXTRACTION_SKIPS = _counter("memories_extraction_skips", "Extraction candidates or turns skipped", "reason")
 DEAD_LETTERS = _counter("memories_dead_letters", "Messages this process sent to DEAD_LETTERS", "origin")
 HTTP_RESPONSES = _counter(
-    "memories_http_responses", "API responses by route template and status (202s, 4xx, 503s)", "method", "route", "status"
+    "memories_http_responses", "API responses (every status) by method, route template and status", "method", "route", "status"
 )
 CONSUMER_PENDING = _gauge(
     "memories_consumer_pending",

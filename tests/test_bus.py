@@ -59,6 +59,9 @@ async def test_a_service_configured_for_another_partition_count_than_the_bus_ref
         nc = await bus.connect(server.url, name="test-partitions")
         try:
             js = nc.jetstream()
+            # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
+            with pytest.raises(bus.PartitionCountMismatch, match="not laid out yet"):
+                await bus.prune_consumers(js, Settings(memories_partitions=8))
             await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
             await bus.ensure_layout(js, Settings(memories_partitions=8))
             with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
