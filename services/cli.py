@@ -103,7 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             command = [sys.executable, "-m", "services.cli", service]
             # `up` runs no thread of its own that the fork could catch holding a lock.
             ends = _ends_with(os.getpid())
-            children.append(subprocess.Popen(command, env=child_env, preexec_fn=ends))  # noqa: PLW1509
+            # No terminal input: in a process group of its own, a read from the terminal would stop it (SIGTTIN).
+            children.append(subprocess.Popen(command, env=child_env, stdin=subprocess.DEVNULL, preexec_fn=ends))  # noqa: PLW1509
         _announce(env, settings, metrics_ports)
         return _supervise(children)
     finally:

@@ -29,6 +29,7 @@ _RECORD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None)._
     "asctime",
     "taskName",  # Python 3.12+
     "litellm_redacted",  # litellm's secret-redaction filter marks the records it scrubbed: not a field of ours
+    "color_message",  # uvicorn's copy of the message with terminal colour codes: the message again
 }
 
 

@@ -54,6 +54,13 @@ def test_litellms_mark_on_a_record_it_scrubbed_is_not_a_field() -> None:
     assert "litellm_redacted" not in parsed and parsed["write_id"] == "wr_1"
 
 
+def test_uvicorns_coloured_copy_of_a_message_is_not_a_field() -> None:
+    # Printed as a field, its colour codes came out escaped on every uvicorn line of the text log.
+    coloured = record("Finished server process [%d]", 7, color_message="Finished server process [\x1b[36m%d\x1b[0m]")
+    assert TextFormatter().format(coloured).endswith("Finished server process [7]")
+    assert "color_message" not in json.loads(JsonFormatter().format(coloured))
+
+
 def test_an_exception_stays_on_the_same_line_and_extras_cannot_replace_base_fields() -> None:
     try:
         raise ValueError("broken\nacross lines")
