@@ -326,6 +326,12 @@ def _writer_partition(consumer: str) -> int | None:
     return int(matched.group(1)) if matched else None
 
 
+def _listing_order(consumer: str) -> tuple[int, str]:
+    """Writer partitions in their numeric order (writer-p2 before writer-p10), after the other consumers by name."""
+    partition = _writer_partition(consumer)
+    return (-1 if partition is None else partition, consumer)
+
+
 async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
     """Every durable consumer of the layout's streams as JetStream reports it now (`memories bus status`)."""
     partitions = await recorded_partitions(js)
@@ -340,7 +346,7 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
                 queued = (await js.stream_info(name)).state.messages
         except NotFoundError:  # the layout is not applied yet
             continue
-        for info in sorted(infos, key=lambda i: i.name):
+        for info in sorted(infos, key=lambda i: _listing_order(i.name)):
             partition = _writer_partition(info.name) if name == WRITES_STREAM else None
             stale = partition is not None and partitions is not None and partition >= partitions
             role = "stale" if stale else "layout" if (name, info.name) in planned else "other"
