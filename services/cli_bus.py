@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 
 from shared import bus
@@ -49,6 +50,13 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
 
     try:
         return asyncio.run(run())
+    except nats.js.errors.ServiceUnavailableError:  # nats-py says only "code=None … description='None'"
+        print(
+            f"JetStream is not available on the NATS server at {bus.redacted_servers(nats_url)}: start the server "
+            "with JetStream enabled (nats-server -js, or jetstream {} in its configuration)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
     except (bus.BusUnreachable, nats.errors.Error) as exc:  # unreachable, or JetStream refused: one line, no traceback
         print(str(exc) or type(exc).__name__, file=sys.stderr)
         raise SystemExit(1) from None

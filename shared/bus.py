@@ -465,11 +465,15 @@ async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
             error_cb=quiet,
         )
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
-        from shared.agents import redact_address
+        raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
 
-        # No password in a Job's log. nats-py reads a server without a scheme as nats://, and so must this.
-        servers = ",".join(redact_address(s if "://" in s else f"nats://{s}") for s in url.split(","))
-        raise BusUnreachable(f"cannot reach NATS at {servers}: {type(exc).__name__} {exc}".rstrip()) from exc
+
+def redacted_servers(url: str) -> str:
+    """The NATS servers of `url` as a log or an error may show them: no password (a Job's log is read widely).
+    nats-py reads a server without a scheme as nats://, and so does this."""
+    from shared.agents import redact_address
+
+    return ",".join(redact_address(s if "://" in s else f"nats://{s}") for s in url.split(","))
 
 
 def is_outage(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.events import MemoryWriteRequested
 from shared.ids import new_write_id
-from shared.servers import EmbeddedNats, free_port
+from shared.servers import EmbeddedNats, free_port, nats_server_binary
 from shared.settings import Settings
 from tests.conftest import make_settings
 
@@ -256,3 +256,20 @@ def test_a_negative_dlq_limit_is_a_usage_error() -> None:
     done = subprocess.run([sys.executable, "-m", "services.cli", "dlq", "list", "--limit", "-1"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "must be 0 or more" in done.stderr
+
+
+def test_one_shot_commands_say_when_the_bus_has_no_jetstream() -> None:
+    """nats-py's error for it read "ServiceUnavailableError: code=None err_code=None description='None'"."""
+    port = free_port()
+    plain = subprocess.Popen([str(nats_server_binary()), "-a", "127.0.0.1", "-p", str(port)],  # no -js
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        env = {**os.environ, "NATS_URL": f"nats://user:secret@127.0.0.1:{port}"}
+        done = subprocess.run([sys.executable, "-m", "services.cli", "dlq", "list"], env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert "JetStream is not available" in done.stderr and "-js" in done.stderr, done.stderr
+        assert "secret" not in done.stderr and "Traceback" not in done.stderr
+    finally:
+        plain.terminate()
+        plain.wait(10)
