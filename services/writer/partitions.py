@@ -154,7 +154,8 @@ class PinnedPull:
                 elif status in ("404", "408"):  # it expired
                     return
                 elif status == "423":
-                    log.info("partition %s is another writer replica's now", self._partition)
+                    # Another replica's now, or this one's pin lapsed (a NATS outage past its timeout): pulled again.
+                    log.info("partition %s: this writer replica's pin is no longer valid", self._partition)
                     self.pin = None
                     return
                 elif status != "100":  # 100: a heartbeat
