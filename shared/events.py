@@ -173,7 +173,12 @@ def refuse_address(model: str) -> str:
 
 ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_address)]
 """A litellm model name as an agent or a provider's registration names it (no provider's name is longer)."""
-Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT)]
+def _once_each(tags: list[str]) -> list[str]:
+    # A tag twice is the same label twice: kept once, in the order given.
+    return list(dict.fromkeys(tags))
+
+
+Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT), AfterValidator(_once_each)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
 
 

@@ -112,7 +112,8 @@ async def test_tags_metadata_and_source_type_are_stored(client: httpx.AsyncClien
             client,
             memory["id"],
             "Reject refunds above $500 for the traffic-manager role",
-            tags=["role:traffic-manager", "source:rejected_approval"],
+            # A tag given twice is kept once (it was stored twice), in the order given.
+            tags=["role:traffic-manager", "source:rejected_approval", "role:traffic-manager"],
             metadata={"evidence": "high"},
             source_type="orchestration",
         )
