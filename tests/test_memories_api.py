@@ -185,6 +185,10 @@ async def test_list_envelope_order_and_paging(client: httpx.AsyncClient, project
     assert negative.status_code == 400
     not_a_number = await client.get("/memories", params={"project_id": project["id"], "limit": "ten"})
     assert not_a_number.status_code == 400
+    # Read as 10, 3 and 5 before (Python's and pydantic's lenient parsing): a typo is told, not guessed at.
+    for lenient in ("1_0", " 3 ", "5.0"):
+        guessed = await client.get("/memories", params={"project_id": project["id"], "limit": lenient})
+        assert guessed.status_code == 400 and "digits" in guessed.text, lenient
 
 
 async def test_delete_memory_removes_its_entries(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Query
+from pydantic import BeforeValidator
 
 from services.api.schemas import Page
 
@@ -16,9 +18,20 @@ class Paging:
     offset: int
 
 
+def _digits(value: object) -> object:
+    # Python's int() reads "1_0" as 10, " 3 " as 3, and pydantic "5.0" as 5: a client's typo is a 400, not a guess.
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value):
+        raise ValueError("must be a whole number written in digits")
+    return value
+
+
+Digits = BeforeValidator(_digits)
+
+
 async def paging(  # async: a plain def dependency runs in the thread pool
-    limit: Annotated[int, Query(description="page size, clamped to 1..100")] = 50,
-    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+    # The bounds before the validator: after one, pydantic publishes them as `ge`/`le`, which JSON Schema lacks.
+    limit: Annotated[int, Query(description="page size, clamped to 1..100"), Digits] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1), Digits] = 0,
 ) -> Paging:
     return Paging(limit=min(max(limit, 1), 100), offset=offset)
 
