@@ -153,18 +153,30 @@ def _stop_services(children: Sequence[subprocess.Popen[bytes]], *, api_grace_s: 
     """The API first (children[0]), the others once it is gone: its writes in flight are still decided by a
     running writer and answered, where stopping every service at once left them waiting out their timeout for a
     202, or cut off by the kill. Each is killed if it outlasts its grace: the API's covers a write's timeout."""
-    api, others = children[:1], children[1:]
-    for group, grace_s in ((api, api_grace_s), (others, 15.0)):
-        for child in group:
+    def force(_signum: int, _frame: object) -> None:  # the services no longer hear the terminal: `up` passes it on
+        for child in children:
             if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in group:
-            try:
-                child.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("service %s did not stop within %g s; killing it", child.args, grace_s)
                 child.kill()
-                child.wait()
+
+    if any(child.poll() is None for child in children):
+        log.info("stopping the API (up to %g s), then the writer and the extractor; Ctrl-C again to force", api_grace_s)
+    previous = {signum: signal.signal(signum, force) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        api, others = children[:1], children[1:]
+        for group, grace_s in ((api, api_grace_s), (others, 15.0)):
+            for child in group:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("service %s did not stop within %g s; killing it", child.args, grace_s)
+                    child.kill()
+                    child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _metrics_ports(settings: Settings) -> dict[str, int]:
@@ -221,6 +233,7 @@ def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGHUP, request_stop)  # the terminal closed: its signal no longer reaches the services
     while not stop:
         for child in children:
             if child.poll() is not None:

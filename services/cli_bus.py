@@ -50,7 +50,11 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
 
     try:
         return asyncio.run(run())
-    except nats.js.errors.ServiceUnavailableError:  # nats-py says only "code=None … description='None'"
+    except nats.js.errors.ServiceUnavailableError as exc:
+        if exc.err_code is not None or exc.description is not None:  # a real 503 (a cluster electing): said as is
+            print(str(exc), file=sys.stderr)
+            raise SystemExit(1) from None
+        # No responder for the JetStream API: nats-py says only "code=None … description='None'".
         print(
             f"JetStream is not available on the NATS server at {bus.redacted_servers(nats_url)}: start the server "
             "with JetStream enabled (nats-server -js, or jetstream {} in its configuration)",

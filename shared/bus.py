@@ -412,7 +412,12 @@ PUBLISH_TIMEOUT_S = 5.0
 
 
 class BusUnavailable(Exception):
-    """JetStream did not take a publish; a retry under the same message id is safe."""
+    """JetStream did not take a publish; a retry under the same message id is safe. `sent`: the message went out
+    unconfirmed (a hung server may still store it), as opposed to refused before sending."""
+
+    def __init__(self, reason: str, *, sent: bool = False) -> None:
+        super().__init__(reason)
+        self.sent = sent
 
 
 async def publish_or_refuse(nc: NatsClient, subject: str, data: bytes, *, stream: str, msg_id: str) -> None:
@@ -426,13 +431,23 @@ async def publish_or_refuse(nc: NatsClient, subject: str, data: bytes, *, stream
             subject, data, stream=stream, timeout=PUBLISH_TIMEOUT_S, headers={"Nats-Msg-Id": msg_id}
         )
     except (TimeoutError, nats.errors.Error, OSError) as exc:
-        raise BusUnavailable(str(exc) or type(exc).__name__) from exc
+        raise BusUnavailable(str(exc) or type(exc).__name__, sent=True) from exc
+
+
+_CONNECTION_ERRORS = (
+    OSError, TimeoutError, nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError,
+    nats.errors.UnexpectedEOF, nats.errors.NoServersError,
+)
 
 
 async def report_connection_error(error: Exception) -> None:
-    """What nats-py reports while it reconnects (a timeout, a refused connection): one line each. Its default logs
-    every one at ERROR with a traceback, for an outage the service waits out."""
-    log.warning("NATS connection: %s", str(error) or type(error).__name__)
+    """What nats-py reports while it reconnects (a timeout, a refused connection): one line each; its default logs
+    every one at ERROR with a traceback, for an outage the service waits out. Anything else it reports (an error
+    raised in a subscription's callback, a slow consumer dropping messages) is a fault: at ERROR, with its trace."""
+    if isinstance(error, _CONNECTION_ERRORS):
+        log.warning("NATS connection: %s", str(error) or type(error).__name__)
+    else:
+        log.error("NATS client error: %s", str(error) or type(error).__name__, exc_info=error)
 
 
 async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:

@@ -174,3 +174,40 @@ def test_the_api_is_stopped_before_the_services_that_decide_its_writes() -> None
     stuck = Service("api", 60)
     _stop_services([stuck], api_grace_s=25)  # type: ignore[list-item]
     assert events == ["api SIGTERM", "api killed", "api exited"]
+
+
+def test_a_second_ctrl_c_while_stopping_kills_what_still_runs() -> None:
+    """In their own process group the services no longer hear the terminal: a second Ctrl-C reached nobody and
+    `up` waited out every grace (up to 30 s)."""
+    from services.cli import _stop_services
+
+    killed: list[str] = []
+    before = signal.getsignal(signal.SIGINT)
+
+    class Stuck:
+        args = "api"
+
+        def __init__(self) -> None:
+            self.running = True
+
+        def poll(self) -> int | None:
+            return None if self.running else -9
+
+        def send_signal(self, _signum: int) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            if self.running:
+                handler = signal.getsignal(signal.SIGINT)
+                assert callable(handler)
+                handler(signal.SIGINT, None)  # the operator presses Ctrl-C again
+            assert not self.running
+            return -9
+
+        def kill(self) -> None:
+            killed.append(self.args)
+            self.running = False
+
+    _stop_services([Stuck()], api_grace_s=25)  # type: ignore[list-item]
+    assert killed == ["api"]
+    assert signal.getsignal(signal.SIGINT) is before  # up's own handling comes back

@@ -215,3 +215,18 @@ async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
         await nc.close()
     finally:
         server.stop()
+
+
+async def test_a_fault_nats_reports_is_not_taken_for_an_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """The same callback gets the errors raised in subscription callbacks: those are bugs, logged with their trace."""
+    from shared import bus
+
+    with caplog.at_level(logging.WARNING):
+        await bus.report_connection_error(TimeoutError())
+        try:
+            raise KeyError("write_id")
+        except KeyError as exc:
+            await bus.report_connection_error(exc)
+    outage, fault = caplog.records[-2:]
+    assert (outage.levelno, outage.exc_info) == (logging.WARNING, None)
+    assert fault.levelno == logging.ERROR and fault.exc_info is not None and "write_id" in fault.getMessage()

@@ -249,7 +249,7 @@ async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
     """A publish a hung NATS server never confirmed may reach the stream later and be applied (seen in a walk-through:
     the entry appeared after the 503). The 503 said "unavailable" with no write id to look the write up by."""
     async def unconfirmed(*_args: Any, **_kwargs: Any) -> None:
-        raise bus.BusUnavailable("nats: timeout")
+        raise bus.BusUnavailable("nats: timeout", sent=True)
 
     monkeypatch.setattr(bus, "publish_or_refuse", unconfirmed)
     refused = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Sent into a hung bus"})
@@ -257,6 +257,14 @@ async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
     error = refused.json()["error"]
     assert error["code"] == "SERVICE_UNAVAILABLE" and "may still be applied" in error["message"]
     assert error["meta"]["write_id"].startswith("wr_")
+
+    async def refused_at_once(*_args: Any, **_kwargs: Any) -> None:  # not connected: nothing went out
+        raise bus.BusUnavailable("not connected to NATS")
+
+    monkeypatch.setattr(bus, "publish_or_refuse", refused_at_once)
+    unsent = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Never sent"})
+    assert unsent.status_code == 503 and "was not sent" in unsent.json()["error"]["message"]
+    assert "meta" not in unsent.json()["error"]
 
 
 async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(

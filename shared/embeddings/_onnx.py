@@ -34,10 +34,10 @@ MAX_TOKENS = 256  # the model's max_seq_length, [CLS] and [SEP] included: the si
 # Tokens a window repeats from the end of the one before: a sentence of up to this length that a
 # window's end cuts in two is still seen whole by the next window.
 WINDOW_OVERLAP = 32
-# Windows a text is read in at most: ~2,000 tokens, the 8,000 characters of English a text may hold. Characters
-# that are a token each (punctuation, digits, CJK) would otherwise make 8,000 characters ~36 windows, ~4 s of CPU
-# for one search query or write; the tokens past the last window do not count in the vector.
-MAX_WINDOWS = 9
+# Windows a text is read in at most: ~3,100 tokens, what 8,000 characters of English, French or German prose make
+# (2,000–2,900 measured). Characters that are a token each (punctuation, digits, CJK) would otherwise make 8,000
+# characters ~36 windows, ~4 s of CPU for one search query or write; the tokens past the last window do not count.
+MAX_WINDOWS = 14
 TOKENIZER_PATH = Path(__file__).parent / "data" / "tokenizer.json"
 
 # Sub-batches are formed from length-sorted windows so one long window does not pad a whole batch:

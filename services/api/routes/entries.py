@@ -126,12 +126,15 @@ async def submit_write(
             event, timeout=request.app.state.settings.memories_write_timeout_s, fresh_id=fresh_id, client_key=not fresh_id
         )
     except bus.BusUnavailable as exc:
+        if not exc.sent:
+            raise ApiError(503, f"the message bus is unavailable ({exc}); the write was not sent: retry") from exc
         # Not "failed": a publish the bus did not confirm in time (a hung server) may still reach the stream and be
-        # applied. The write id lets the client look it up; a retry with the same Idempotency-Key is safe either way.
+        # applied. Its write id lets the client look it up (404 until it is); a retry is safe either way (with the
+        # same Idempotency-Key; without one, the same text is skipped as an exact copy).
         raise ApiError(
             503,
-            f"the message bus did not take the write ({exc}); it may still be applied: look it up by its write_id, "
-            "or retry with the same Idempotency-Key",
+            f"the message bus did not confirm the write ({exc}); it may still be applied: look it up by its "
+            "write_id, or retry",
             meta={"write_id": event.write_id},
         ) from exc
     except IdempotencyKeyReused as exc:
