@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +27,7 @@ from shared.db.session import create_engine, session_factory
 from shared.embeddings import EmbeddingError
 from shared.events import DEFAULT_DUPLICATE_THRESHOLD, MemoryWriteRequested, utcnow
 from shared.ids import new_write_id
-from shared.servers import LOOPBACK, free_port
+from shared.servers import LOOPBACK, EmbeddedNats, free_port
 from shared.settings import WRITE_TIMEOUT_MAX_S, Settings
 from shared.write_gateway import WriteGateway, request_hash
 from shared.writes import REFUSED_FOR_NOW, WriteApplier
@@ -244,27 +247,36 @@ async def test_a_failing_embedder_fails_the_write_and_writes_nothing(
 
 
 async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
-    client: httpx.AsyncClient, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    settings: Settings, memory: dict[str, Any], tmp_path: Path
 ) -> None:
-    """A publish a hung NATS server never confirmed may reach the stream later and be applied (seen in a walk-through:
-    the entry appeared after the 503). The 503 said "unavailable" with no write id to look the write up by."""
-    async def unconfirmed(*_args: Any, **_kwargs: Any) -> None:
-        raise bus.BusUnavailable("nats: timeout", sent=True)
+    """On a NATS server of its own. A publish a hung server never confirmed may reach the stream later and be applied
+    (seen in a walk-through: the entry appeared after the 503, which said only "unavailable" with no write id). One
+    refused before it was sent (the client knows it is disconnected) was not sent at all, and says so."""
+    with EmbeddedNats(tmp_path / "nats") as own:
+        async with open_api(settings.model_copy(update={"nats_url": own.url})) as (app, api):
+            assert own.pid is not None
+            os.kill(own.pid, signal.SIGSTOP)  # hung: the connection stays up, nothing answers
+            try:
+                hung = await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Into a hung bus"})
+            finally:
+                os.kill(own.pid, signal.SIGCONT)
+            assert hung.status_code == 503, hung.text
+            error = hung.json()["error"]
+            assert error["code"] == "SERVICE_UNAVAILABLE" and "may still be applied" in error["message"]
+            assert error["meta"]["write_id"].startswith("wr_")
+            # It reached the stream once the server went on: a writer would apply it.
+            queued = (await app.state.nats.jetstream().stream_info(bus.WRITES_STREAM)).state.messages
+            assert queued == 1
 
-    monkeypatch.setattr(bus, "publish_or_refuse", unconfirmed)
-    refused = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Sent into a hung bus"})
-    assert refused.status_code == 503, refused.text
-    error = refused.json()["error"]
-    assert error["code"] == "SERVICE_UNAVAILABLE" and "may still be applied" in error["message"]
-    assert error["meta"]["write_id"].startswith("wr_")
-
-    async def refused_at_once(*_args: Any, **_kwargs: Any) -> None:  # not connected: nothing went out
-        raise bus.BusUnavailable("not connected to NATS")
-
-    monkeypatch.setattr(bus, "publish_or_refuse", refused_at_once)
-    unsent = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Never sent"})
-    assert unsent.status_code == 503 and "was not sent" in unsent.json()["error"]["message"]
-    assert "meta" not in unsent.json()["error"]
+            own.stop()
+            while app.state.nats.is_connected:
+                await asyncio.sleep(0.05)
+            unsent = await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Never sent"})
+            assert unsent.status_code == 503 and "was not sent" in unsent.json()["error"]["message"], unsent.text
+            assert "meta" not in unsent.json()["error"]
+            own.start()  # the API's client reconnects, so that it can close cleanly
+            while not app.state.nats.is_connected:
+                await asyncio.sleep(0.05)
 
 
 async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(
