@@ -210,6 +210,19 @@ async def test_the_route_returns_the_message_and_the_results(
     assert "score" not in scoped.json()["results"][0]
 
 
+async def test_a_null_config_means_the_default_in_either_spelling(
+    client: httpx.AsyncClient, project: dict[str, Any]
+) -> None:
+    # Generated clients send null for an optional field they were not given; `knowledgeConfig: null` was a 400
+    # where `knowledge_config: null` meant the default (null was read by field names, not by the camelCase alias).
+    answers = [
+        await client.post("/knowledge/context", json={"project_id": project["id"], key: None, "message": "refunds?"})
+        for key in ("knowledge_config", "knowledgeConfig")
+    ]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[0].json() == answers[1].json()
+
+
 @pytest.mark.parametrize(
     ("body", "status"),
     [

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -51,12 +52,17 @@ Threshold = Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 @cache
 def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of `model` whose value may be left out but cannot be null."""
-    return frozenset(
-        name
-        for name, field in model.model_fields.items()
-        if not field.is_required() and field.default is not None and type(None) not in get_args(field.annotation)
-    )
+    """The keys of a body naming a field of `model` that may be left out but cannot be null: each such field's
+    name and every alias it is read by (`knowledgeConfig: null` means the default as `knowledge_config: null` does)."""
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        if field.is_required() or field.default is None or type(None) in get_args(field.annotation):
+            continue
+        keys.add(name)
+        aliases = field.validation_alias
+        choices = aliases.choices if isinstance(aliases, AliasChoices) else [aliases]
+        keys.update(choice for choice in choices if isinstance(choice, str))
+    return frozenset(keys)
 
 
 class Strict(BaseModel):
