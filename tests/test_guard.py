@@ -196,15 +196,19 @@ def test_symmetric_on_pairs() -> None:
         assert (forward is None) == (backward is None), p
 
 
-def test_report_paraphrase_cost(capsys: pytest.CaptureFixture[str]) -> None:
-    """Not a gate: how often a paraphrase is stored again because a rule fired."""
-    fired = [
-        (p["existing"], p["incoming"], rule)
+# Paraphrases the cheap rules cannot tell from a change of meaning: a negation word with no negated meaning, a
+# date written two ways. `guarded` stores each of them again rather than skipping it (the policy's cost).
+PARAPHRASES_A_RULE_FIRES_ON = {
+    ("Customer is vegetarian.", "The customer does not eat meat."),
+    ("Invoice is due on 2024-05-01.", "Payment for the invoice is due May 1, 2024."),
+}
+
+
+def test_rules_fire_on_no_other_paraphrase() -> None:
+    """`guarded` stores again each paraphrase a rule fires on (its cost): a rule made broader fails here."""
+    fired = {
+        (p["existing"], p["incoming"])
         for p in PAIRS
-        if p["kind"] == "paraphrase" and (rule := meaning_change(p["existing"], p["incoming"]))
-    ]
-    total = sum(p["kind"] == "paraphrase" for p in PAIRS)
-    with capsys.disabled():
-        print(f"\nguard: {len(fired)}/{total} paraphrase pairs fire a rule")
-        for existing, incoming, rule in fired:
-            print(f"  {rule}: {existing!r} -> {incoming!r}")
+        if p["kind"] == "paraphrase" and meaning_change(p["existing"], p["incoming"])
+    }
+    assert fired <= PARAPHRASES_A_RULE_FIRES_ON, fired - PARAPHRASES_A_RULE_FIRES_ON
