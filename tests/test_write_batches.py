@@ -774,6 +774,87 @@ async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_ow
     assert running.delays == [bus.retry_delay(settings.memories_retry_backoff_s, 3)] and stopping.delays == [None]
 
 
+async def test_the_bus_failing_one_writes_settling_leaves_the_rest_of_its_batch_settled(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An ack, an answer or a dead letter the bus does not take (a timeout) for the first write of a batch: the
+    # others were committed and were left unacknowledged and unanswered until the ack wait, behind later writes.
+    memory = await new_memory(client, project, "settling")
+    writes = [write(memory, f"Fact number {i}") for i in range(3)]
+    settle = WriteHandler._settle
+
+    async def first_fails(self: WriteHandler, message: Any, event: MemoryWriteRequested, applied: Any) -> None:
+        if event.write_id == writes[0].write_id:
+            raise nats.errors.TimeoutError
+        await settle(self, message, event, applied)
+
+    monkeypatch.setattr(WriteHandler, "_settle", first_fails)
+    async with own_partition(settings, sessions, WriteApplier(sessions, CountingEmbedder(), "counting")) as partition:
+        await partition.start()
+        await partition.publish(*writes)
+        await partition.until_decided(*writes)
+        assert await partition.unacknowledged() == 1  # the first, back after the ack wait, then answered from its record
+
+
+async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_recorded(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Acknowledged first, a write whose failure could not be recorded stayed pending for ever.
+    class Delivered:
+        subject, data = "memories.write.0.mem_x", b"{}"
+        metadata = SimpleNamespace(num_delivered=settings.memories_max_deliver)
+
+        def __init__(self) -> None:
+            self.settled: list[str] = []
+
+        async def ack(self) -> None:
+            self.settled.append("ack")
+
+        async def nak(self, delay: float | None = None) -> None:
+            self.settled.append("nak")
+
+    async def database_down(*_args: Any) -> AppliedWrite:
+        raise OperationalError("UPDATE", {}, ConnectionError("server closed the connection"))
+
+    memory = await new_memory(client, project, "given up")
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    monkeypatch.setattr(applier, "record_failure", database_down)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(applier, nc, settings, model_lanes=1)
+        letters: list[str] = []
+
+        async def dead_letter(subject: str, body: bytes, *, reason: str) -> None:
+            letters.append(reason)
+
+        monkeypatch.setattr(handler, "dead_letter", dead_letter)
+        message = Delivered()
+        await handler._retry_or_give_up(message, write(memory, "Never applied"), RuntimeError("a bug"))  # type: ignore[arg-type]
+    finally:
+        await nc.close()
+    assert message.settled == ["nak"] and letters == []  # it comes back and is given up on again
+
+
+async def test_a_write_on_a_subject_naming_another_memory_is_answered_failed(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # Dead-lettered, it was never answered: its caller waited out the write timeout.
+    memory, other = await new_memory(client, project, "named"), await new_memory(client, project, "other")
+    async with own_partition(settings, sessions, WriteApplier(sessions, CountingEmbedder(), "counting")) as partition:
+        answers = await partition.handler._nc.subscribe("_INBOX.mismatch")
+        event = write(memory, "Filed under the wrong memory", reply_subject="_INBOX.mismatch")
+        await partition.start()
+        await partition._js.publish(
+            f"{bus.WRITE_SUBJECT_ROOT}.{partition.number}.{other['id']}", event.model_dump_json().encode()
+        )
+        answer = MemoryWriteOutcome.model_validate_json((await answers.next_msg(timeout=10)).data)
+        assert answer.write_id == event.write_id and answer.error is not None
+        assert answer.error.code == "INTERNAL_ERROR"
+        assert await partition.unacknowledged() == 0
+
+
 async def test_the_policies_remembered_are_bounded_the_least_recently_written_forgotten_first(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     monkeypatch: pytest.MonkeyPatch,

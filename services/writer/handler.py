@@ -180,11 +180,17 @@ class WriteHandler:
             # Every line logged while this write is handled, here or in shared code, names it (a task
             # created in this context keeps it).
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
-                if isinstance(result, Exception):
-                    await self._retry_or_give_up(message, event, result)
-                else:
-                    await self._settle(message, event, result)
-                    announcements.append(asyncio.create_task(self._announce(event, result)))
+                try:
+                    if isinstance(result, Exception):
+                        await self._retry_or_give_up(message, event, result)
+                    else:
+                        await self._settle(message, event, result)
+                        announcements.append(asyncio.create_task(self._announce(event, result)))
+                except nats.errors.Error as exc:
+                    # The bus failed this write's dead letter, ack or answer: the batch's other writes are settled
+                    # all the same. Not acknowledged, this one comes back after the ack wait, and a decided write
+                    # is then answered from its stored outcome, not decided again.
+                    log.warning("could not settle the write: %s", str(exc) or type(exc).__name__)
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
@@ -232,17 +238,34 @@ class WriteHandler:
             payload = _payload_of(message.data)
             write_id, memory_id = _text(payload, "event_id"), message.subject.rsplit(".", 1)[-1]
             with log_context(write_id=write_id, memory_id=memory_id):
-                await self.dead_letter(message.subject, message.data, reason=f"invalid write event: {exc.errors()[:3]}")
-                await message.ack()
-                if write_id is not None:
-                    await self._fail_unreadable(write_id, memory_id, _text(payload, "reply_subject"))
+                await self._dead_letter_undecidable(
+                    message, f"invalid write event: {exc.errors()[:3]}", write_id, memory_id,
+                    _text(payload, "reply_subject"),
+                )
             return None
         if not message.subject.endswith(f".{event.memory_id}"):
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
-                await self.dead_letter(message.subject, message.data, reason="subject does not name the event's memory")
-            await message.ack()
+                await self._dead_letter_undecidable(
+                    message, "subject does not name the event's memory", event.write_id, event.memory_id,
+                    event.reply_subject,
+                )
             return None
         return event
+
+    async def _dead_letter_undecidable(
+        self, message: Msg, reason: str, write_id: str | None, memory_id: str, reply_subject: str | None
+    ) -> None:
+        """Dead-letter a write event that cannot be decided (retrying cannot fix it), then fail its write. When the
+        bus does not take the dead letter, the message stays unacknowledged and comes back after the ack wait; the
+        rest of its batch is decided meanwhile."""
+        try:
+            await self.dead_letter(message.subject, message.data, reason=reason)
+            await message.ack()
+        except nats.errors.Error as exc:
+            log.warning("could not dead-letter the undecidable write: %s", str(exc) or type(exc).__name__)
+            return
+        if write_id is not None:
+            await self._fail_unreadable(write_id, memory_id, reply_subject)
 
     async def _fail_unreadable(self, write_id: str, memory_id: str, reply_subject: str | None) -> None:
         """An event this writer cannot read (sent by a newer or broken API) is dead-lettered; its write must not
@@ -270,19 +293,18 @@ class WriteHandler:
             await message.nak(delay=None if self._stop.is_set() else bus.retry_delay(self._backoff, delivered))
             return
         log.error("write failed, giving up", extra={"attempt": delivered}, exc_info=exc)
-        await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
-        await message.ack()
-        await self._record_given_up(event, delivered)
-
-    async def _record_given_up(self, event: MemoryWriteRequested, attempts: int) -> None:
-        """The write's status says failed instead of pending forever; a replay from the dead letters or a
-        retry with the same Idempotency-Key may still apply it."""
-        reason = f"the write could not be applied after {attempts} attempts and was set aside for an operator"
+        # Recorded before it is acknowledged: a write given up on must not stay pending for ever. A failed
+        # attempt is stored as no effect, so a replay from the dead letters or a retry with the write's
+        # Idempotency-Key may still apply it.
+        reason = f"the write could not be applied after {delivered} attempts and was set aside for an operator"
         try:
             applied = await self._applier.record_failure(event, "INTERNAL_ERROR", reason)
-        except Exception:  # the dead letter holds the write; only its status is stale
+        except Exception:  # it comes back and is given up on again
             log.exception("could not record the write as failed")
+            await message.nak(delay=bus.retry_delay(self._backoff, delivered))
             return
+        await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
+        await message.ack()
         _count(event, applied)
         if event.reply_subject:
             await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())

@@ -334,13 +334,20 @@ class PartitionConsumer(Generic[Prepared]):
         waited = False
         async with bus.kept_in_progress(messages, self._ack_wait_s):
             while not self._stopping and loop.time() < deadline:
-                elsewhere = await self._pull.unacknowledged() - held_here - len(messages)
-                if elsewhere <= 0:
-                    break
-                if not waited:
-                    log.info("partition %s: waiting for %s writes another replica holds", self.partition, elsewhere)
-                    waited = True
-                messages += await self._pull.fetch(batch=self._batch, wait_s=HOLD_OFF_PULL_S)
+                try:
+                    elsewhere = await self._pull.unacknowledged() - held_here - len(messages)
+                    if elsewhere <= 0:
+                        break
+                    if not waited:
+                        log.info("partition %s: waiting for %s writes another replica holds", self.partition, elsewhere)
+                        waited = True
+                    messages += await self._pull.fetch(batch=self._batch, wait_s=HOLD_OFF_PULL_S)
+                except nats.errors.Error as exc:
+                    # Most likely while the consumer's leader changes, the very moment a pin moves: what was
+                    # fetched stays in hand and the wait goes on (to its deadline); dropped, it would come back
+                    # after the ack wait, behind later writes.
+                    log.warning("partition %s: the former holder's writes cannot be counted now: %s", self.partition, exc)
+                    await asyncio.sleep(HOLD_OFF_PULL_S)
         if waited:
             log.info("partition %s: deciding again after %.1f s", self.partition, loop.time() - started)
         return messages
