@@ -106,7 +106,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             # No terminal input: in a process group of its own, a read from the terminal would stop it (SIGTTIN).
             children.append(subprocess.Popen(command, env=child_env, stdin=subprocess.DEVNULL, preexec_fn=ends))  # noqa: PLW1509
         _announce(env, settings, metrics_ports)
-        return _supervise(children)
+        probes = [f"http://{env['MEMORIES_HOST']}:{port}/readyz" for port in (env["MEMORIES_PORT"], *metrics_ports.values())]
+        return _supervise(children, _until_ready(probes, f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"))
     finally:
         _stop_services(children, api_grace_s=settings.memories_write_timeout_s + 5)
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
@@ -191,7 +192,7 @@ def _metrics_ports(settings: Settings) -> dict[str, int]:
 def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, int]) -> None:
     base = f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"
     lines = [
-        f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs)",
+        f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs); it says when it is ready",
         f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
         "Metrics: API " + f"{base}/metrics, "
         + ", ".join(f"{name} http://{env['MEMORIES_HOST']}:{port}/metrics" for name, port in metrics_ports.items()),
@@ -224,8 +225,34 @@ def _models_line(settings: Settings) -> str:
     )
 
 
-def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:
+def _until_ready(probes: Sequence[str], base: str) -> Callable[[], bool]:
+    """A check `up` makes while it waits: True once every service's `/readyz` has answered 200, when it says so (the
+    API answers before the writer has loaded its model: a write sent meanwhile may wait out its timeout, a 202)."""
+    import urllib.error
+    import urllib.request
+
+    waiting = list(probes)
+
+    def check() -> bool:
+        while waiting:
+            try:
+                with urllib.request.urlopen(waiting[0], timeout=0.5) as answer:
+                    if answer.status != 200:
+                        return False
+            except (OSError, urllib.error.URLError):
+                return False
+            waiting.pop(0)
+            if not waiting:
+                print(f"Memories is ready at {base}: the API, the writer and the extractor are up", flush=True)
+        return True
+
+    return check
+
+
+def _supervise(children: Sequence[subprocess.Popen[bytes]], ready: Callable[[], bool]) -> int:
+    """Until a stop is asked for or a service exits (its exit code), calling `ready` until it is True."""
     stop = False
+    is_ready = False
 
     def request_stop(_signum: int, _frame: object) -> None:
         nonlocal stop
@@ -239,16 +266,17 @@ def _supervise(children: Sequence[subprocess.Popen[bytes]]) -> int:
             if child.poll() is not None:
                 log.error("service %s exited with %s; stopping everything", child.args, child.returncode)
                 return child.returncode or 1
+        is_ready = is_ready or ready()
         time.sleep(0.2)
     return 0
 
 
-def run_service(main: Coroutine[Any, Any, None]) -> None:
-    """A service's event loop: uvloop, as uvicorn picks for the API (less CPU per socket event)."""
+def run_service(main: Coroutine[Any, Any, int]) -> int:
+    """A service's event loop: uvloop, as uvicorn picks for the API (less CPU per socket event); its exit status."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        return runner.run(main)
 
 
 def _missing_servers(settings: Settings, command: str, *, bus: bool = True) -> bool:
@@ -292,8 +320,7 @@ def cmd_writer(args: argparse.Namespace) -> int:
         return 2
     if _missing_servers(settings, "writer"):
         return 2
-    run_service(run(settings, partitions))
-    return 0
+    return run_service(run(settings, partitions))
 
 
 def cmd_extractor(_args: argparse.Namespace) -> int:
@@ -302,8 +329,7 @@ def cmd_extractor(_args: argparse.Namespace) -> int:
     settings = get_settings()
     if _missing_servers(settings, "extractor"):
         return 2
-    run_service(run(settings))
-    return 0
+    return run_service(run(settings))
 
 
 def cmd_migrate(_args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from faststream.middlewares import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
@@ -18,6 +19,7 @@ from shared.lifecycle import freeze_long_lived_objects, wait_for_shutdown_signal
 from shared.metrics_server import MetricsServer, serve_metrics
 from shared.settings import Settings
 
+log = logging.getLogger("memories.service")
 
 class ConsumerProcess:
     name = "consumer"
@@ -33,6 +35,8 @@ class ConsumerProcess:
         self._ready = False
         self._metrics_server: MetricsServer | None = None
         self._lag_poller: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()  # set by SIGINT or SIGTERM, or by `fail`
+        self._failure: str | None = None
 
     def subscribe(self, subject: str, stream: str, durable: str, batch_size: int):  # type: ignore[no-untyped-def]
         """A pull subscriber bound to an existing durable consumer: the layout is ours (shared.bus), so
@@ -71,7 +75,15 @@ class ConsumerProcess:
 
     def is_ready(self) -> bool:
         """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""
-        return self._ready and self.nc is not None and self.nc.is_connected
+        return self._ready and self._failure is None and self.nc is not None and self.nc.is_connected
+
+    def fail(self, reason: str) -> None:
+        """A part of the process stopped for good (a bug): the process stops as on SIGTERM and exits with status 1,
+        for its supervisor to start it again. Left running, it would look ready and do less than its share."""
+        if self._failure is None:
+            log.critical("%s stopping: %s", self.name, reason)
+            self._failure = reason
+        self._stop.set()
 
     async def stop(self) -> None:
         if self._lag_poller is not None:
@@ -85,8 +97,9 @@ class ConsumerProcess:
             await self.nc.drain()
         await self.engine.dispose()
 
-    async def run_until_signalled(self) -> None:
-        """`memories writer|extractor`: run until SIGINT/SIGTERM, then finish the messages in hand."""
+    async def run_until_signalled(self) -> int:
+        """`memories writer|extractor`: run until SIGINT/SIGTERM (or `fail`), then finish the messages in hand. The
+        process's exit status: 1 after `fail`."""
         try:
             await self.start()
         except BaseException:
@@ -96,6 +109,7 @@ class ConsumerProcess:
                 await self.stop()
             raise
         try:
-            await wait_for_shutdown_signal()
+            await wait_for_shutdown_signal(self._stop)
         finally:
             await self.stop()
+        return 0 if self._failure is None else 1

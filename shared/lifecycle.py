@@ -7,8 +7,9 @@ import gc
 import signal
 
 
-async def wait_for_shutdown_signal() -> None:
-    stop = asyncio.Event()
+async def wait_for_shutdown_signal(stop: asyncio.Event | None = None) -> None:
+    """Until SIGINT or SIGTERM sets `stop`, or the process itself does."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -457,6 +457,14 @@ def test_a_writer_refuses_partitions_that_do_not_exist(
     assert _parse_partitions("0-3,5", 8) == [0, 1, 2, 3, 5]
 
 
+@pytest.mark.parametrize("spec", ["0-31", "0-7,12,14-15", "3", "0,2,4,6,8,10,12,14"])
+def test_a_writer_logs_its_partitions_as_they_are_given(spec: str) -> None:
+    # Eight or more were logged as "first..last", also when they were not consecutive ("0..14" for the even ones).
+    from services.writer.main import _ranges
+
+    assert _ranges(_parse_partitions(spec, 32) or []) == spec
+
+
 @pytest.mark.parametrize(
     ("service", "missing"),
     [("api", "DATABASE_URL and NATS_URL"), ("writer", "DATABASE_URL and NATS_URL"),

@@ -18,8 +18,10 @@ import pytest_asyncio
 from nats.aio.msg import Msg
 
 from services.writer import partitions
+from services.writer.main import Writer
 from services.writer.partitions import PartitionConsumer, PinnedPull
 from shared import bus
+from shared.servers import free_port
 from shared.settings import Settings
 
 OwnDurable = Callable[..., Awaitable[tuple[int, Any, Any]]]
@@ -219,10 +221,14 @@ class Replica:
         self._gate = gate  # finish waits for it, then decides (a replica slow to decide)
         self.nc: Any = None
         self.consumer: PartitionConsumer[Sequence[Msg]] | None = None
+        self.failures: list[str] = []  # what `on_failure` was told
 
     async def start(self, settings: Settings, partition: int, *, batch: int, ack_wait_s: float) -> None:
         self.nc = await nats.connect(settings.nats_url)
-        self.consumer = PartitionConsumer(self.nc, partition, self._prepare, self._finish, batch=batch, ack_wait_s=ack_wait_s)
+        self.consumer = PartitionConsumer(
+            self.nc, partition, self._prepare, self._finish, batch=batch, ack_wait_s=ack_wait_s,
+            on_failure=self.failures.append,
+        )
         self.consumer.start()
 
     async def _prepare(self, messages: Sequence[Msg]) -> Sequence[Msg]:
@@ -352,6 +358,8 @@ async def test_a_replica_whose_pull_loop_died_does_not_keep_its_partition(
         await js.publish(subject, b"1", stream=bus.WRITES_STREAM)
         await _until(lambda: len(decided) == 2, 15)
         assert decided == [("broken", "0"), ("survivor", "1")]
+        assert broken.failures == [f"consuming partition {partition} ended: RuntimeError('a bug in the pull loop')"]
+        assert survivor.failures == []
     finally:
         await survivor.stop()
         await broken.stop()
@@ -402,3 +410,21 @@ async def test_a_replica_given_a_partition_another_still_holds_writes_of_decides
         deciding.set()
         await successor.stop()
         await former.stop()
+
+
+async def test_a_writer_whose_partition_loop_died_stops_and_exits_with_status_1(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    # Left running, it looked ready (/readyz) while the partition went unconsumed for good if no other replica ran.
+    partition, _nc, _js = await own_durable(16, max_ack_pending=8)
+    writer = Writer(settings.model_copy(update={"memories_metrics_port": free_port()}), partitions=[partition])
+    running = asyncio.create_task(writer.run_until_signalled())
+    await _until(lambda: bool(writer._partition_consumers), 30)
+    assert writer.is_ready()
+
+    async def bug(batch: int, wait_s: float) -> list[Msg]:
+        raise RuntimeError("a bug in the pull loop")
+
+    writer._partition_consumers[0]._pull.fetch = bug  # type: ignore[method-assign]
+    assert await asyncio.wait_for(running, 30) == 1
+    assert not writer.is_ready()

@@ -172,10 +172,10 @@ def _count(result: ExtractionResult) -> None:
     log.info("extraction %s", result.status, extra={"reason": result.reason, "model": result.model})
 
 
-async def run(settings: Settings) -> None:
-    """`memories extractor`: run until SIGINT/SIGTERM."""
+async def run(settings: Settings) -> int:
+    """`memories extractor`: run until SIGINT/SIGTERM; its exit status."""
     if not settings.memories_merge_model:
         log.warning(
             "no service model (MEMORIES_MERGE_MODEL): only agents with a provider, route or model extract"
         )
-    await ExtractorService(settings, concurrency=settings.memories_extractor_concurrency).run_until_signalled()
+    return await ExtractorService(settings, concurrency=settings.memories_extractor_concurrency).run_until_signalled()

@@ -90,6 +90,7 @@ class Writer(ConsumerProcess):
                 self._handler.finish,
                 batch=self.settings.memories_write_batch,
                 ack_wait_s=self.settings.memories_ack_wait_s,
+                on_failure=self.fail,
             )
             for partition in self.partitions
         ]
@@ -115,9 +116,16 @@ class Writer(ConsumerProcess):
 
 
 def _ranges(partitions: Sequence[int]) -> str:
-    return ",".join(str(p) for p in partitions) if len(partitions) < 8 else f"{partitions[0]}..{partitions[-1]}"
+    """`0-7,12,14-15`: as `--partitions` takes them (a run of consecutive partitions as one range)."""
+    runs: list[list[int]] = []
+    for partition in sorted(partitions):
+        if runs and partition == runs[-1][-1] + 1:
+            runs[-1].append(partition)
+        else:
+            runs.append([partition])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs) or "none"
 
 
-async def run(settings: Settings, partitions: Sequence[int] | None = None) -> None:
-    """`memories writer`."""
-    await Writer(settings, partitions).run_until_signalled()
+async def run(settings: Settings, partitions: Sequence[int] | None = None) -> int:
+    """`memories writer`; its exit status."""
+    return await Writer(settings, partitions).run_until_signalled()

@@ -230,8 +230,11 @@ class PartitionConsumer(Generic[Prepared]):
         *,
         batch: int,
         ack_wait_s: float,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_failure`: told why, when consuming the partition ended by a bug (the replica should stop)."""
         self.partition = partition
+        self._on_failure = on_failure
         self._prepare = prepare
         self._finish = finish
         self._batch = batch
@@ -256,6 +259,8 @@ class PartitionConsumer(Generic[Prepared]):
             self._keeping_pin.cancel()
         if not loop.cancelled():
             log.error("consuming partition %s ended", self.partition, exc_info=loop.exception())
+            if self._on_failure is not None:
+                self._on_failure(f"consuming partition {self.partition} ended: {loop.exception()!r}")
 
     async def stop(self, timeout: float) -> None:
         """Stop fetching, then finish the batches in hand (within `timeout`); unfinished messages are redelivered.
