@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.dependencies.models import Dependant
@@ -254,3 +256,16 @@ async def served(app: FastAPI, http: type[BoundedHeadHttpTools]) -> AsyncIterato
     finally:
         server.should_exit = True
         await serving
+
+
+async def test_an_api_without_an_admin_token_says_so_as_it_starts(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only `memories up` generates a token: a deployment that forgot its secret had no admin, and nothing said so.
+    for token, warned in ((None, True), ("a-token", False)):
+        caplog.clear()
+        app = create_app(settings.model_copy(update={"memories_admin_token": token}))
+        async with app.router.lifespan_context(app):
+            pass
+        said = [r.getMessage() for r in caplog.records if r.name == "memories.api" and r.levelno == logging.WARNING]
+        assert bool(said) is warned and all("no MEMORIES_ADMIN_TOKEN" in line for line in said), said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -34,6 +35,8 @@ from shared.lifecycle import freeze_long_lived_objects
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 
+log = logging.getLogger("memories.api")
+
 API_PREFIX = "/api/v1"
 MAX_BODY_BYTES = 256 * 1024
 
@@ -55,6 +58,11 @@ def create_app(settings: Settings) -> FastAPI:
         await gateway.start()
         app.state.settings = settings
         app.state.admin_token = settings.memories_admin_token
+        if not settings.memories_admin_token:
+            log.warning(
+                "no MEMORIES_ADMIN_TOKEN: the admin routes (projects, API keys, AI providers, model routes, usage) "
+                "answer 401 to every token"
+            )
         app.state.sessions = sessions
         app.state.read_sessions = session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
         app.state.nats = nc
