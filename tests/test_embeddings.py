@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from tokenizers import Encoding, Tokenizer
 
+from shared import embeddings
 from shared.embeddings import (
     LOCAL_DIMENSIONS,
     LOCAL_MODEL,
@@ -311,6 +313,8 @@ def fake_provider() -> Iterator[Any]:
         ) -> Any:
             if model == "boom":
                 raise RuntimeError("upstream exploded")
+            if model == "hung":
+                await asyncio.sleep(60)
             vector = {"unnormalised": [3.0, 4.0], "zero": [0.0, 0.0]}.get(model, [1.0, 0.0])
             count = len(input) - 1 if model == "short" else len(input)
             # Reversed on purpose: results must be put back in `index` order.
@@ -335,6 +339,17 @@ def fake_provider() -> Iterator[Any]:
 async def test_failing_provider_raises_embedding_error(fake_provider: Any) -> None:
     with pytest.raises(EmbeddingError, match=r"'fake/boom'.*upstream exploded"):
         await embed_texts(["hello"], model="fake/boom")
+
+
+async def test_a_remote_model_that_does_not_answer_fails_the_call_in_time(
+    fake_provider: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # litellm waits up to 6,000 s by default: a hung provider held every write of a writer that long.
+    monkeypatch.setattr(embeddings, "REMOTE_TIMEOUT_S", 0.3)
+    started = time.monotonic()
+    with pytest.raises(EmbeddingError, match=r"'fake/hung'.*no answer within 0.3 s"):
+        await embed_texts(["hello"], model="fake/hung")
+    assert time.monotonic() - started < 10
 
 
 async def test_remote_vectors_are_normalised_and_ordered(fake_provider: Any) -> None:

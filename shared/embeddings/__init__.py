@@ -9,6 +9,7 @@ Importing this package is cheap: litellm, onnxruntime and the tokenizer load on 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,10 @@ __all__ = [
 LOCAL_MODEL = "local/all-minilm-l6-v2-int8"
 LOCAL_DIMENSIONS = 384
 LOCAL_PREFIX = "local/"
+REMOTE_TIMEOUT_S = 30.0
+"""How long a remote model may take over one call (a search's query, a batch of writes' texts) before the call
+counts as failed: litellm's own default is 6,000 s, and a hung provider would hold a writer's embeddings, every
+partition's, as long. The in-process model has none: its calls are CPU work that waits for nothing."""
 
 
 class EmbeddingError(Exception):
@@ -69,7 +74,10 @@ async def embed_texts(
     # An unusable answer counts as a failed call too: for the caller it is one.
     with metrics.track_embedding(model, purpose) as call:
         try:
-            response = await litellm.aembedding(model=model, input=list(texts), **kwargs)
+            asked = litellm.aembedding(model=model, input=list(texts), **kwargs)
+            response = await (asked if model.startswith(LOCAL_PREFIX) else asyncio.wait_for(asked, REMOTE_TIMEOUT_S))
+        except TimeoutError as exc:
+            raise EmbeddingError(model, f"no answer within {REMOTE_TIMEOUT_S:g} s") from exc
         except Exception as exc:  # litellm maps provider failures onto many exception types
             from shared.llm import describe_failure
 
