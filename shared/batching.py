@@ -10,6 +10,7 @@ items stay together and in their order, so a partition's writes are still decide
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -29,7 +30,8 @@ class Coalescer(Generic[Item, Result]):
         futures = [loop.create_future() for _ in items]
         self._queue.append(list(zip(items, futures, strict=True)))
         if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
+            # In a context of its own: it serves every caller, so it must not log as the first one (its write id).
+            self._worker = asyncio.create_task(self._drain(), context=contextvars.Context())
         return list(await asyncio.gather(*futures))
 
     async def _drain(self) -> None:
@@ -37,6 +39,8 @@ class Coalescer(Generic[Item, Result]):
             batch = self._next_batch()
             try:
                 results = await self._call_batch([item for item, _ in batch])
+                if len(results) != len(batch):  # else some waiters would never be answered
+                    raise ValueError(f"{len(results)} results for {len(batch)} items")
             except Exception as exc:  # noqa: BLE001 - every waiter of the batch gets the failure
                 for _, future in batch:
                     if not future.done():

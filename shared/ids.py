@@ -16,6 +16,7 @@ MEMORY_PREFIX = "mem_"
 ENTRY_PREFIX = "mem_entry_"
 WRITE_PREFIX = "wr_"
 API_KEY_PREFIX = "key_"
+EVENT_PREFIX = "evt_"  # an event on the bus that is not a write: a change, a turn, a result, a revocation
 
 
 def new_id(prefix: str) -> str:

@@ -50,13 +50,14 @@ REFUSED_FOR_NOW = frozenset(code for code, status in _ERROR_STATUS.items() if st
 """Failures that a retry of the same write may cure (a dependency was down); the others are for good."""
 
 
-class Deferred(Exception):
+@dataclass(frozen=True, slots=True)
+class Deferred:
     """A write a transaction that waits for nothing left undecided: its memory was busy (another transaction held
-    it), or deciding it might have asked a model. It is to be decided later, in its order, by a caller that waits."""
+    it), or deciding it might have asked a model. It is to be decided later, in its order, by a caller that waits.
+    Not an exception: a result among the failures that a retry or a dead letter is for, and never one of them."""
 
-    def __init__(self, memory_id: str, why: str) -> None:
-        super().__init__(f"memory {memory_id}: {why}")
-        self.memory_id = memory_id
+    memory_id: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,7 @@ class WriteApplier:
         except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
             return await self.record_failure(prepared.event, "EMBEDDING_UNAVAILABLE", str(exc))
 
-    async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Exception]:
+    async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Deferred | Exception]:
         """`prepare`, then `decide`: one exact-copy query, one embedding call, one transaction."""
         return await self.decide(await self.prepare(events))
 
@@ -197,7 +198,7 @@ class WriteApplier:
 
     async def decide(
         self, prepared: Sequence[PreparedWrite], *, defer_waits: bool = False
-    ) -> list[AppliedWrite | Exception]:
+    ) -> list[AppliedWrite | Deferred | Exception]:
         """Decide prepared writes in their order, in one transaction.
 
         Each gets its result, or the exception that stopped it (the caller retries that one). When a write
@@ -208,7 +209,7 @@ class WriteApplier:
         writes: one memory holds up no other.
         """
         # One result per prepared write, in its place: the failure it came with, its decision, or its deferral.
-        results: list[AppliedWrite | Exception | None] = [one.failed for one in prepared]
+        results: list[AppliedWrite | Deferred | Exception | None] = [one.failed for one in prepared]
         ready = [i for i, one in enumerate(prepared) if one.failed is None]
         if not ready:
             return [one.failed for one in prepared if one.failed is not None]

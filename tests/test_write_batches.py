@@ -5,6 +5,7 @@ effect per write id, and a write that spoils the batch failing alone."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +33,7 @@ from shared.embeddings import LOCAL_MODEL
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
+from shared.logs import ContextFilter, log_context
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Deferred, PreparedWrite, WriteApplier
 from tests.conftest import local_embed, wait_until_blocked_by
@@ -182,6 +184,33 @@ async def test_coalesced_calls_never_split_a_callers_items() -> None:
     release.set()
     assert [await task for task in (first, *queued)] == [["A"], ["B", "C"], ["D", "E", "F"], ["G"], list("HIJKL")]
     assert calls == [["a"], ["b", "c"], ["d", "e", "f", "g"], list("hijkl")]  # whole callers, at most 4 unless one is more
+
+
+async def test_a_coalesced_call_answering_too_few_results_fails_its_callers_and_not_the_next_ones() -> None:
+    # The count was checked outside the call's failure handling: its callers waited for ever, and so did later ones.
+    async def call_batch(items: list[str]) -> list[str]:
+        return [item.upper() for item in items][: 1 if "short" in items else None]
+
+    coalesced = Coalescer(call_batch)
+    with pytest.raises(ValueError, match="1 results for 2 items"):
+        await asyncio.wait_for(coalesced(["short", "answer"]), 5)
+    assert await asyncio.wait_for(coalesced(["next"]), 5) == ["NEXT"]
+
+
+async def test_the_coalesced_calls_worker_does_not_log_as_its_first_caller() -> None:
+    # It serves every caller: its lines carried the write id of the caller that happened to start it.
+    seen: list[str | None] = []
+
+    async def call_batch(items: list[str]) -> list[str]:
+        record = logging.LogRecord("memories.writer", logging.INFO, __file__, 0, "embedding", None, None)
+        ContextFilter().filter(record)  # what stamps every handled line with the context's fields
+        seen.append(getattr(record, "write_id", None))
+        return items
+
+    coalesced = Coalescer(call_batch)
+    with log_context(write_id="wr_first_caller"):
+        assert await coalesced(["a"]) == ["a"]
+    assert seen == [None]
 
 
 async def test_each_outcome_carries_its_entry_as_the_batch_left_it(

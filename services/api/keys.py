@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from shared import bus, iam
 from shared import repository as repo
 from shared.events import ApiKeyRevoked
-from shared.ids import new_id
+from shared.ids import EVENT_PREFIX, new_id
 
 log = logging.getLogger("memories.api")
 
@@ -94,7 +94,7 @@ class LiveKeys:
         they have said they forgot it (replies are collected until REVOCATION_QUIET_S passes without one, at
         most REVOCATION_WAIT_S), so the next request anywhere is refused."""
         self.forget(key_id)
-        event = ApiKeyRevoked(event_id=new_id("evt_"), key_id=key_id)
+        event = ApiKeyRevoked(event_id=new_id(EVENT_PREFIX), key_id=key_id)
         replies: asyncio.Queue[Msg] = asyncio.Queue()
         try:
             inbox = self._nc.new_inbox()

@@ -21,7 +21,7 @@ from shared.consumer_process import ConsumerProcess
 from shared.db.session import session_factory
 from shared.events import ExtractionCompleted, GenerationCompleted
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
-from shared.ids import new_id
+from shared.ids import EVENT_PREFIX, new_id
 from shared.llm import LlmError
 from shared.logs import log_context
 from shared.settings import Settings
@@ -148,7 +148,7 @@ class ExtractorService(ConsumerProcess):
         """For the platform to record on its generation; best-effort, the outcome is stored already."""
         assert self.nc is not None
         notice = ExtractionCompleted(
-            event_id=new_id("evt_"),
+            event_id=new_id(EVENT_PREFIX),
             project_id=event.project_id,
             generation_id=event.generation_id,
             status=result.status,

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from shared import bus, metrics
 from shared.batching import Coalescer
 from shared.events import MemoryEntryChanged, MemoryWriteOutcome, MemoryWriteRequested, WriteError
-from shared.ids import new_id
+from shared.ids import EVENT_PREFIX, new_id
 from shared.logs import log_context
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Deferred, PreparedWrite, WriteApplier
@@ -197,7 +197,7 @@ class WriteHandler:
 
     async def _decide_through_outages(
         self, batch: PreparedBatch, *, in_lane: bool = False
-    ) -> Sequence[AppliedWrite | Exception]:
+    ) -> Sequence[AppliedWrite | Deferred | Exception]:
         """The batch's results. An outage (the database or the bus unreachable) is waited out in place, the
         messages kept in progress, instead of handing them back: redelivered, each after a backoff that grows
         with its own deliveries, a memory's writes would come back out of order (a later fact decided first).
@@ -217,7 +217,7 @@ class WriteHandler:
         """The writer stops: an outage is no longer waited out, its writes are handed back (redelivered)."""
         self._stop.set()
 
-    async def _decide(self, batch: PreparedBatch, in_lane: bool) -> list[AppliedWrite | Exception]:
+    async def _decide(self, batch: PreparedBatch, in_lane: bool) -> list[AppliedWrite | Deferred | Exception]:
         """One result per write: its decision, or the exception that stopped it (preparing it, or the shared steps).
         Partitions' batches share one transaction at a time, which waits for nothing (a write that would wait for its
         memory or a model gets `Deferred`); a lane's writes have their own, which waits for both."""
@@ -330,7 +330,7 @@ class WriteHandler:
         """After commit: feed the change stream. Losing it loses no data."""
         if applied.change is not None and applied.outcome.entry_id:
             change = MemoryEntryChanged(
-                event_id=new_id("evt_"),
+                event_id=new_id(EVENT_PREFIX),
                 project_id=event.project_id,
                 memory_id=event.memory_id,
                 entry_id=applied.outcome.entry_id,

@@ -26,7 +26,7 @@ class ProvenanceHandler:
     async def handle(self, message: NatsMessage) -> None:
         subject = message.raw_message.subject
         try:
-            if subject.startswith("generations."):
+            if subject.startswith(f"{bus.GENERATION_DELETED_ROOT}."):
                 event: GenerationDeleted | ConversationDeleted = GenerationDeleted.model_validate_json(message.body)
             else:
                 event = ConversationDeleted.model_validate_json(message.body)

@@ -27,7 +27,7 @@ from shared.events import (
     WriteAction,
 )
 from shared.guard import content_hash
-from shared.ids import ENTRY_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
+from shared.ids import ENTRY_PREFIX, EVENT_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
 from shared.repository import HistoryRow
 from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
@@ -284,7 +284,7 @@ async def delete_entry(entry_id: str, request: Request, session: SessionDep, pri
 
 async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind) -> None:
     change = MemoryEntryChanged(
-        event_id=new_id("evt_"), project_id=entry.project_id, memory_id=entry.memory_id, entry_id=entry.id, kind=kind
+        event_id=new_id(EVENT_PREFIX), project_id=entry.project_id, memory_id=entry.memory_id, entry_id=entry.id, kind=kind
     )
     await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
 

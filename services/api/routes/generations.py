@@ -25,7 +25,7 @@ from shared.events import (
     refuse_nul,
     utcnow,
 )
-from shared.ids import new_id
+from shared.ids import EVENT_PREFIX, new_id
 
 router = APIRouter(prefix="/generations", tags=["extraction"], route_class=CheckedRoute)
 
@@ -95,7 +95,7 @@ async def generation_completed(
     # forgetting made in between still applies to its facts.
     times = [t for t in (body.occurred_at, reported.first_reported_at) if t is not None]
     event = GenerationCompleted(
-        event_id=new_id("evt_"),
+        event_id=new_id(EVENT_PREFIX),
         project_id=project_id,
         occurred_at=min([*times, utcnow()]),
         **body.model_dump(exclude={"project_id", "occurred_at"}),
