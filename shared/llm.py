@@ -7,6 +7,7 @@ arbitration to the guarded rule).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -106,7 +107,9 @@ async def complete(
     api_key = provider_key(agent.api_key_env)
     try:
         with metrics.track_llm(agent.model, purpose) as call:
-            response = await litellm.acompletion(
+            # litellm's `timeout` bounds each network read, not the call: a provider trickling its answer
+            # (a byte a second) held a merge's memory lock, or an extraction's slot, for as long as it went on.
+            asked = litellm.acompletion(
                 model=agent.model,
                 messages=messages,
                 temperature=0,
@@ -115,6 +118,10 @@ async def complete(
                 api_key=api_key,
                 num_retries=0,
             )
+            try:
+                response = await asyncio.wait_for(asked, timeout)
+            except TimeoutError as exc:
+                raise TimeoutError(f"no answer within {timeout:g} s") from exc
             prompt_tokens, completion_tokens = call.record_usage(response)
         text = response.choices[0].message.content or ""
     except Exception as exc:

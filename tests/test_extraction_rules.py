@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +13,7 @@ from pydantic import ValidationError
 
 from shared.agents import ExtractionConfig, KnowledgeConfig
 from shared.context import PREAMBLE
-from shared.events import GenerationAgent, GenerationCompleted
+from shared.events import AgentContext, GenerationAgent, GenerationCompleted
 from shared.extraction import (
     CONTRACT_LINE,
     DEFAULT_INSTRUCTIONS,
@@ -20,7 +23,7 @@ from shared.extraction import (
     parse_candidates,
     transcript_lines,
 )
-from shared.llm import FAILURE_MAX_CHARS, describe_failure
+from shared.llm import FAILURE_MAX_CHARS, LlmError, complete, describe_failure
 from shared.providers import Provider, ResolutionError, Target, resolve_targets
 from shared.settings import Settings
 
@@ -261,6 +264,31 @@ def test_a_provider_failure_is_told_without_traceback_link_or_credentials() -> N
     assert describe_failure(TimeoutError()) == "TimeoutError"
     long = describe_failure(RuntimeError("x" * 1000))
     assert len(long) == FAILURE_MAX_CHARS and long.endswith("…")
+
+
+async def test_a_model_that_trickles_its_answer_fails_within_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # litellm's timeout bounds each read: a server sending a byte a second held a merge's memory lock for as long.
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(60):
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+        writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("TRICKLE_KEY", "sk-test")
+    agent = AgentContext(model="openai/gpt-4o-mini", api_base=f"http://127.0.0.1:{port}/v1", api_key_env="TRICKLE_KEY")
+    started = time.monotonic()
+    try:
+        with pytest.raises(LlmError, match="no answer within 1 s"):
+            await complete([{"role": "user", "content": "hi"}], agent=agent, timeout=1.0, purpose="merge")
+    finally:
+        server.close()
+    assert time.monotonic() - started < 10
 
 
 def test_an_agent_is_read_in_either_case_and_its_other_keys_pass_as_they_are() -> None:
