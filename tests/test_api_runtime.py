@@ -6,8 +6,11 @@ import asyncio
 import inspect
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -269,3 +272,26 @@ async def test_an_api_without_an_admin_token_says_so_as_it_starts(
             pass
         said = [r.getMessage() for r in caplog.records if r.name == "memories.api" and r.levelno == logging.WARNING]
         assert bool(said) is warned and all("no MEMORIES_ADMIN_TOKEN" in line for line in said), said
+
+
+def test_the_api_loads_litellm_and_the_local_model_before_it_serves(settings: Settings) -> None:
+    # Loaded by the first search or edit instead, on the event loop: every request of the process, health probes
+    # included, waited ~5 s behind it after each start.
+    script = (
+        "import asyncio, sys\n"
+        "from services.api.main import create_app\n"
+        "from shared.embeddings import _onnx\n"
+        "from shared.settings import Settings\n"
+        "async def main():\n"
+        "    app = create_app(Settings.model_validate_json(sys.argv[1]))\n"
+        "    async with app.router.lifespan_context(app):\n"
+        "        loaded = _onnx._encoder is not None and _onnx._encoder._session is not None\n"
+        "        print('litellm' in sys.modules, loaded)\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, settings.model_dump_json()],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"]

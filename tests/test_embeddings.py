@@ -389,7 +389,7 @@ async def test_a_provider_failure_is_told_without_its_traceback(monkeypatch: pyt
             raise RuntimeError("the encoder broke")
 
     register_local_provider()
-    monkeypatch.setattr(_provider.LocalEmbeddingHandler, "_encoder", lambda self, model: Broken())
+    monkeypatch.setattr(_provider, "load_model", lambda model: Broken())
     with pytest.raises(EmbeddingError) as failed:
         await embed_texts(["hello"], model=LOCAL_MODEL)
     assert "the encoder broke" in str(failed.value)

@@ -23,6 +23,7 @@ __all__ = [
     "EmbeddingError",
     "cosine",
     "embed_texts",
+    "preload",
     "register_local_provider",
 ]
 
@@ -49,6 +50,16 @@ def register_local_provider() -> None:
     from . import _provider  # imports litellm, with its offline cost map
 
     _provider.register()
+
+
+def preload(model: str) -> None:
+    """Import litellm and load `model` when it runs in-process: seconds of work that a first call would do on its
+    caller's event loop, stalling every request of the process meanwhile. Blocking: run it in a thread."""
+    register_local_provider()
+    from ._provider import load_model
+
+    if model.startswith(LOCAL_PREFIX):
+        load_model(model).warm_up()
 
 
 async def embed_texts(

@@ -21,25 +21,25 @@ from litellm.types.utils import EmbeddingResponse, Usage
 
 from ._onnx import MiniLMEncoder, get_encoder
 
-__all__ = ["MODELS", "PROVIDER", "LocalEmbeddingHandler", "litellm", "register"]
+__all__ = ["MODELS", "PROVIDER", "LocalEmbeddingHandler", "litellm", "load_model", "register"]
 
 PROVIDER = "local"
 # litellm strips the "local/" prefix before it calls the handler, so these are bare names.
 MODELS: dict[str, Callable[[], MiniLMEncoder]] = {"all-minilm-l6-v2-int8": get_encoder}
 
 
+def load_model(model: str) -> MiniLMEncoder:
+    """The in-process model `model` names, with or without the prefix (loaded on first use, then kept)."""
+    name = model.removeprefix(f"{PROVIDER}/")
+    factory = MODELS.get(name)
+    if factory is None:
+        known = ", ".join(f"{PROVIDER}/{m}" for m in sorted(MODELS))
+        raise CustomLLMError(status_code=404, message=f"unknown local embedding model {model!r} (known: {known})")
+    return factory()
+
+
 class LocalEmbeddingHandler(CustomLLM):
     """Serves `local/<name>` embeddings; litellm passes the model name without the prefix."""
-
-    def _encoder(self, model: str) -> MiniLMEncoder:
-        name = model.removeprefix(f"{PROVIDER}/")
-        factory = MODELS.get(name)
-        if factory is None:
-            known = ", ".join(f"{PROVIDER}/{m}" for m in sorted(MODELS))
-            raise CustomLLMError(
-                status_code=404, message=f"unknown local embedding model {model!r} (known: {known})"
-            )
-        return factory()
 
     def embedding(  # litellm's base signature, plus **kwargs for arguments later versions add
         self,
@@ -56,7 +56,7 @@ class LocalEmbeddingHandler(CustomLLM):
         **kwargs: Any,
     ) -> EmbeddingResponse:
         # The sync entry point runs on the caller's thread, like any blocking litellm call.
-        encoder, texts = self._encoder(model), _as_texts(input)
+        encoder, texts = load_model(model), _as_texts(input)
         vectors, tokens = encoder.encode_counted(texts)
         return _fill(model_response, model, vectors, tokens)
 
@@ -76,7 +76,7 @@ class LocalEmbeddingHandler(CustomLLM):
     ) -> EmbeddingResponse:
         # litellm awaits this coroutine on the event loop itself, so the CPU work must leave it;
         # onnxruntime releases the GIL while it runs.
-        encoder, texts = self._encoder(model), _as_texts(input)
+        encoder, texts = load_model(model), _as_texts(input)
         vectors, tokens = await asyncio.to_thread(encoder.encode_counted, texts)
         return _fill(model_response, model, vectors, tokens)
 
