@@ -151,6 +151,7 @@ class ExtractionResult:
     reason: str | None
     summary: ExtractionSummary
     model: str | None = None
+    replayed: bool = False  # the stored outcome of an earlier delivery: nothing was decided now
 
 
 class Extractor:
@@ -185,7 +186,7 @@ class Extractor:
         if done is not None and done.status in ("completed", "skipped"):
             # A redelivery after the outcome was stored: asking the model again could word facts differently.
             summary = ExtractionSummary.model_validate(done, from_attributes=True)
-            return ExtractionResult(done.status, done.reason, summary, done.model)
+            return ExtractionResult(done.status, done.reason, summary, done.model, replayed=True)
         decision = gate(event)
         if not decision.run or decision.config is None:
             return await self._finish(event, ExtractionResult("skipped", decision.reason, ExtractionSummary()))

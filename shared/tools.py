@@ -77,7 +77,7 @@ async def call_write_memory(
         project_id=project_id, memory_id=memory_id, content=content, agent=agent, generation_id=generation_id
     )
     try:
-        outcome = await gateway.submit(event, timeout=timeout)
+        outcome = await gateway.submit(event, timeout=timeout, fresh_id=True)  # its write id is new: nothing to claim
     except bus.BusUnavailable:
         return {"error": "memory is unavailable right now; try again later"}
     if outcome is None:

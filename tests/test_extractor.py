@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -206,9 +208,15 @@ async def test_a_redelivered_turn_writes_nothing_twice(
                 stream=bus.GENERATIONS_STREAM, headers={"Nats-Msg-Id": msg_id + event.generation_id},
             )
             await finished(client, memory, "gen_redelivered")
+        await asyncio.sleep(0.5)
+        # Announced once: the second delivery's notice has the first's message id (two notices before).
+        notices = await nc.jetstream().pull_subscribe(
+            bus.extraction_completed_subject(memory["project_id"]), stream=bus.GENERATIONS_STREAM
+        )
+        announced = [json.loads(m.data)["generation_id"] for m in await notices.fetch(100, timeout=2)]
     finally:
         await nc.close()
-    await asyncio.sleep(0.5)
+    assert announced.count("gen_redelivered") == 1
     assert len(await entries(client, memory["id"])) == 3
     assert len(llm.calls_to("extract-redelivered")) == 1
 
@@ -606,3 +614,23 @@ async def test_a_turn_naming_a_model_of_a_provider_not_allowed_is_skipped_unaske
     for generation_id in ("gen_ollama", "gen_ollama_2"):
         outcome = await finished(client, memory, generation_id)
         assert outcome["status"] == "skipped" and "MEMORIES_AGENT_MODEL_PROVIDERS" in outcome["reason"], outcome
+
+
+async def test_a_turn_that_cannot_be_settled_is_logged_and_left_to_come_back(
+    extractors: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # FastStream's own logging is off: a bus failure while dead-lettering an unreadable turn went unlogged.
+    async def bus_down(*_args: Any, **_kwargs: Any) -> None:
+        raise nats.errors.TimeoutError
+
+    acked: list[bool] = []
+    unreadable = SimpleNamespace(
+        body=b"not json", raw_message=SimpleNamespace(subject="generations.completed.proj_x", metadata=None),
+        ack=lambda: acked.append(True),
+    )
+    monkeypatch.setattr(bus, "dead_letter", bus_down)
+    await extractors[0].handle(unreadable)  # type: ignore[arg-type]
+    assert acked == []  # not settled: it comes back after the ack wait
+    assert any(
+        r.levelno == logging.ERROR and "could not be settled" in r.getMessage() and r.exc_info for r in caplog.records
+    )

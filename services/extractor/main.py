@@ -66,6 +66,13 @@ class ExtractorService(ConsumerProcess):
         return metrics.queue_consumers(self.settings)
 
     async def handle(self, message: NatsMessage) -> None:
+        try:
+            await self._handle(message)
+        except Exception:
+            # FastStream logs nothing here (its logger is off); not settled, the turn comes back after the ack wait.
+            log.exception("a completed turn could not be settled (the bus or the database failed)")
+
+    async def _handle(self, message: NatsMessage) -> None:
         assert self.nc is not None
         raw = message.raw_message
         js = self.nc.jetstream()
@@ -95,7 +102,8 @@ class ExtractorService(ConsumerProcess):
             log.exception("extraction failed")
             await self._retry_or_give_up(message, event, f"the extraction failed unexpectedly ({type(exc).__name__})")
             return
-        _count(result)
+        if not result.replayed:  # counted when first decided
+            _count(result)
         await message.ack()
         await self._announce(event, result)
 
@@ -160,6 +168,9 @@ class ExtractorService(ConsumerProcess):
                 bus.extraction_completed_subject(event.project_id),
                 notice.model_dump_json().encode(),
                 stream=bus.GENERATIONS_STREAM,
+                # A turn delivered again once decided (a lost ack) is announced again, under the same id: the
+                # stream keeps one notice per outcome, within its duplicate window.
+                headers={"Nats-Msg-Id": f"extraction:{event.project_id}:{event.generation_id}:{result.status}"},
             )
         except Exception:
             log.exception("could not publish the extraction summary")
