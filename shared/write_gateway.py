@@ -33,7 +33,10 @@ from shared.writes import outcome_of
 
 log = logging.getLogger("memories.gateway")
 
-_POLL_INTERVAL_S = 0.05
+_POLL_FIRST_S, _POLL_MAX_S = 0.05, 0.5
+"""How often a caller waiting on another's attempt reads the write's record: often at first (a retry racing its first
+call is usually answered within milliseconds), then less, so that many waiters (an extraction's facts re-asked while
+the writer is down) do not query the database many times a second each."""
 
 
 class IdempotencyKeyReused(Exception):
@@ -171,7 +174,7 @@ class WriteGateway:
                 msg_id=f"{event.write_id}.{attempt}",
             )
             try:
-                return await asyncio.wait_for(asyncio.shield(future), timeout)
+                return await asyncio.wait_for(future, timeout)
             except TimeoutError:
                 return None
         finally:
@@ -183,6 +186,7 @@ class WriteGateway:
         """Another caller owns this write's attempt; its outcome shows up in the database. None when it does not
         in time (a 202: the write is queued). Raises _ClaimChanged when the claim changed hands: its owner gave it
         up unpublished, or another caller took it over."""
+        pause = _POLL_FIRST_S
         while time.monotonic() < deadline:
             async with self._sessions() as session:
                 record = await repo.get_write_outcome(session, write_id)
@@ -192,7 +196,8 @@ class WriteGateway:
                 # Given up unpublished by its owner (aged by `repository.release_write_claim`), or taken over by
                 # another caller since: claimed again, to be published here or awaited anew.
                 raise _ClaimChanged
-            await asyncio.sleep(_POLL_INTERVAL_S)
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, _POLL_MAX_S)
         return None
 
 

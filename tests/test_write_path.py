@@ -502,6 +502,36 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
     assert outcome is not None and outcome.action is not None and outcome.action.value == "created"
 
 
+async def test_a_caller_waiting_on_another_callers_attempt_reads_its_record_less_and_less_often(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], writers: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Read every 50 ms for the whole timeout: an extraction's facts re-asked while the writer was down made
+    # thousands of queries a second.
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Waiting for it"
+    )
+    async with sessions() as session:  # another caller owns the attempt, and never finishes it
+        await repo.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        await session.commit()
+    reads = []
+    read = repo.get_write_outcome
+
+    async def counted(session: AsyncSession, write_id: str) -> Any:
+        reads.append(write_id)
+        return await read(session, write_id)
+
+    monkeypatch.setattr(repo, "get_write_outcome", counted)
+    nc = await nats.connect(settings.nats_url)
+    gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+    await gateway.start()
+    try:
+        assert await gateway.submit(event, timeout=3) is None  # still pending: a 202
+    finally:
+        await nc.close()
+    assert 3 <= reads.count(event.write_id) <= 12  # 60 at a fixed 50 ms
+
+
 async def test_a_write_failed_for_good_is_not_tried_again_by_a_caller_that_retries_only_refusals(
     settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], writers: list[Any]
 ) -> None:
