@@ -52,8 +52,10 @@ class LiveKeys:
     """Unrevoked keys by secret hash, each for at most `ttl_s` seconds.
 
     Reading the key was half of the API's CPU for a write (measured in docs/benchmarks.md). A revocation
-    still takes effect at once: it is broadcast over core NATS, each API process forgets the key and says
-    so, and the revoking request is answered once they have. A remembered key is trusted only while the
+    takes effect at once wherever the broadcast is read: it goes over core NATS, each API process forgets the
+    key and says so, and the revoking request is answered when those replies stop coming (REVOCATION_QUIET_S
+    without one): a process too busy to reply in time (frozen, overloaded) forgets the key when it reads the
+    broadcast, and may accept it until then, at most `ttl_s`. A remembered key is trusted only while the
     process's NATS connection is up and has not reconnected since the key was read, so a broadcast missed
     while disconnected cannot keep a revoked key alive; `ttl_s` bounds every other way to miss one (a lost
     message, a crash between the commit and the broadcast, a half-open connection not yet noticed). 0 reads

@@ -1,7 +1,7 @@
 """API keys: project-scoped bearer credentials holding IAM action patterns. Admin token only.
 
 The secret (`sk_…`) is returned once, by the creation; the database keeps its hash and a short display
-prefix. Revoking is immediate: every request looks its key up afresh.
+prefix. A revocation is broadcast to every API process, which forgets the key (services.api.keys.LiveKeys).
 """
 
 from __future__ import annotations
