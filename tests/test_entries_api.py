@@ -11,7 +11,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
-from tests.conftest import wait_until_blocked_by
+from shared.settings import Settings
+from tests.conftest import open_api, wait_until_blocked_by
 
 ENTRY_FIELDS = {
     "id", "memory_id", "content", "source_type", "tags", "metadata", "source_generation_id",
@@ -268,3 +269,26 @@ async def test_an_empty_edit_changes_nothing(client: httpx.AsyncClient, memory: 
         assert after.status_code == 200 and after.json()["updated_at"] == before["updated_at"], url
     history = (await client.get(f"/memory-entries/{entry['id']}/history")).json()["data"]
     assert [record["action"] for record in history] == ["created"]
+
+
+async def test_an_edit_holds_no_database_connection_while_its_new_content_is_embedded(
+    settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its transaction stayed open over the model call (a remote one may take up to 30 s): some 30 edits against a
+    # slow embedder emptied the API's pool, and every other request waited for a connection.
+    from services.api.routes import entries as entries_route
+
+    async with open_api(settings) as (app, api):
+        pool = app.state.sessions.kw["bind"].pool
+        held: list[int] = []
+        embed = entries_route.embed_texts
+
+        async def watched(texts: list[str], **options: Any) -> list[list[float]]:
+            held.append(pool.checkedout())
+            return await embed(texts, **options)
+
+        monkeypatch.setattr(entries_route, "embed_texts", watched)
+        entry = (await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Old wording"})).json()
+        edited = await api.put(f"/memory-entries/{entry['id']}", json={"content": "A new wording altogether"})
+    assert edited.status_code == 200 and edited.json()["content"] == "A new wording altogether"
+    assert held == [0]

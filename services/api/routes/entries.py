@@ -46,13 +46,13 @@ async def load_entry(session: AsyncSession, principal_scope: str | None, entry_i
     return entry
 
 
-async def _locked(session: AsyncSession, entry: MemoryEntry) -> MemoryEntry:
+async def _locked(session: AsyncSession, memory_id: str, entry_id: str) -> MemoryEntry:
     """The entry as it stands under its memory's lock, which keeps an edit from interleaving with a writer
     decision or another edit; one deleted meanwhile is a 404 here rather than a failed UPDATE later."""
-    await repo.lock_memory(session, entry.memory_id)
-    current = await session.get(MemoryEntry, entry.id, populate_existing=True)
+    await repo.lock_memory(session, memory_id)
+    current = await session.get(MemoryEntry, entry_id, populate_existing=True)
     if current is None:
-        raise not_found("memory entry", entry.id)
+        raise not_found("memory entry", entry_id)
     return current
 
 
@@ -221,9 +221,13 @@ async def update_entry(
     content = body.content
     if "content" in body.model_fields_set and content is None:
         raise invalid("content cannot be null", "content")
-    # Embedded before the lock, so that no model call holds up the memory's decisions.
-    vector = await _embedding(content, settings) if content is not None and content != entry.content else None
-    entry = _editable(await _locked(session, entry))  # invalidated while this edit waited, too
+    memory_id, entry_id, vector = entry.memory_id, entry.id, None
+    if content is not None and content != entry.content:
+        # Embedded outside any transaction, before the lock: the model may take seconds (a remote one up to 30 s),
+        # and neither the memory's decisions nor a pooled connection wait for it.
+        await session.rollback()
+        vector = await _embedding(content, settings)
+    entry = _editable(await _locked(session, memory_id, entry_id))  # invalidated while this edit waited, too
     before = entry.content
     if content is not None and content != entry.content:
         if vector is None:  # a decision rewrote the entry while this edit waited for the lock
@@ -274,7 +278,8 @@ async def _embedding(content: str, settings: Settings) -> list[float]:
     dependencies=[require("memories:DeleteMemoryEntry")],
 )
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
-    entry = await _locked(session, await load_entry(session, scope(principal), entry_id))
+    entry = await load_entry(session, scope(principal), entry_id)
+    entry = await _locked(session, entry.memory_id, entry.id)
     await repo.save_records(session, [], [_edit_record(entry, "deleted", entry.content, None)])
     await repo.delete_entry(session, entry)
     await session.commit()
