@@ -180,6 +180,9 @@ async def update_memory(session: AsyncSession, memory: Memory, changes: dict[str
 
 
 async def delete_memory(session: AsyncSession, memory: Memory) -> None:
+    """The memory, its entries (by the foreign key) and the texts of their history (`delete_entry`)."""
+    entries = select(MemoryEntry.id).where(MemoryEntry.memory_id == memory.id)
+    await _forget_texts_of_history(session, EntryHistory.entry_id.in_(entries))
     await session.execute(delete(Memory).where(Memory.id == memory.id))
 
 
@@ -332,7 +335,18 @@ async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[
 
 
 async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
+    """The entry, and the texts of its history: a deleted fact is kept nowhere (its history held every text it had,
+    and the near-copies skipped against it). What happened to it stays recorded, for audit: ids, actions, times."""
+    await _forget_texts_of_history(session, EntryHistory.entry_id == entry.id)
     await session.execute(delete(MemoryEntry).where(MemoryEntry.id == entry.id))
+
+
+async def _forget_texts_of_history(session: AsyncSession, rows: ColumnElement[bool]) -> None:
+    await session.execute(
+        update(EntryHistory)
+        .where(rows, or_(EntryHistory.content_before.is_not(None), EntryHistory.content_after.is_not(None)))
+        .values(content_before=None, content_after=None)
+    )
 
 
 async def invalidate_entry(session: AsyncSession, entry_id: str, replacement_id: str) -> None:

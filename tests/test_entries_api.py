@@ -292,3 +292,31 @@ async def test_an_edit_holds_no_database_connection_while_its_new_content_is_emb
         edited = await api.put(f"/memory-entries/{entry['id']}", json={"content": "A new wording altogether"})
     assert edited.status_code == 200 and edited.json()["content"] == "A new wording altogether"
     assert held == [0]
+
+
+async def test_deleting_an_entry_or_its_memory_keeps_none_of_its_texts(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # The history of a deleted entry, unreadable through the API, kept every text it had, for good.
+    async def texts_of(entry_id: str) -> list[tuple[str, str | None, str | None]]:
+        async with sessions() as session:
+            rows = await session.execute(
+                text("SELECT action, content_before, content_after FROM entry_history WHERE entry_id = :id ORDER BY id"),
+                {"id": entry_id},
+            )
+            return [tuple(row) for row in rows]  # type: ignore[misc]
+
+    memory = (await client.post("/memories", json={"project_id": project["id"], "name": "to forget"})).json()
+    kept = (await write(client, memory["id"], "The alarm code is 4711")).json()
+    assert (await write(client, memory["id"], "the alarm code is 4711.")).json()["action"] == "skipped"
+    edited = await client.put(f"/memory-entries/{kept['id']}", json={"content": "The alarm code is 1234"})
+    assert edited.status_code == 200
+    assert [action for action, *_ in await texts_of(kept["id"])] == ["created", "skipped", "edited"]
+    assert (await client.delete(f"/memory-entries/{kept['id']}")).status_code == 204
+    # What happened stays, for audit; the texts do not.
+    assert await texts_of(kept["id"]) == [("created", None, None), ("skipped", None, None), ("edited", None, None),
+                                          ("deleted", None, None)]
+
+    other = (await write(client, memory["id"], "The safe is behind the painting")).json()
+    assert (await client.delete(f"/memories/{memory['id']}")).status_code == 204
+    assert await texts_of(other["id"]) == [("created", None, None)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+from shared.db.migrate import downgrade, upgrade
 from shared.db.models import Base
 from shared.settings import Settings
 
@@ -49,3 +51,38 @@ def test_references_to_an_entry_are_followed_through_an_index(settings: Settings
                 assert index in plan, plan
     finally:
         engine.dispose()
+
+
+async def test_an_upgrade_clears_the_texts_that_deleted_entries_left_in_their_history(
+    settings: Settings, client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # Deleted before the services cleared them (migration 0010): the texts of entries that are gone.
+    assert settings.database_url
+    live = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Still here"})
+    rows = {"gone": "mem_entry_GoneGoneGoneGone", "live": live.json()["id"]}
+    engine = sa.create_engine(settings.database_url)
+    try:
+        with engine.begin() as connection:
+            for entry_id in rows.values():
+                connection.execute(
+                    sa.text(
+                        "INSERT INTO entry_history (project_id, memory_id, entry_id, action, content_before, content_after)"
+                        " VALUES ('proj_x', 'mem_x', :id, 'edited', 'old text', 'new text')"
+                    ),
+                    {"id": entry_id},
+                )
+        downgrade(settings.database_url, "0009")
+        upgrade(settings.database_url)
+        with engine.begin() as connection:
+            texts = {
+                name: connection.execute(
+                    sa.text("SELECT content_before, content_after FROM entry_history WHERE entry_id = :id"
+                            " AND memory_id = 'mem_x'"),
+                    {"id": entry_id},
+                ).one()
+                for name, entry_id in rows.items()
+            }
+            connection.execute(sa.text("DELETE FROM entry_history WHERE memory_id = 'mem_x'"))
+    finally:
+        engine.dispose()
+    assert texts == {"gone": (None, None), "live": ("old text", "new text")}

@@ -280,7 +280,7 @@ async def _embedding(content: str, settings: Settings) -> list[float]:
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     entry = await _locked(session, entry.memory_id, entry.id)
-    await repo.save_records(session, [], [_edit_record(entry, "deleted", entry.content, None)])
+    await repo.save_records(session, [], [_edit_record(entry, "deleted", None, None)])  # its text goes with it
     await repo.delete_entry(session, entry)
     await session.commit()
     await _announce(request, entry, EntryChangeKind.DELETED)
