@@ -228,18 +228,17 @@ def _models_line(settings: Settings) -> str:
 def _until_ready(probes: Sequence[str], base: str) -> Callable[[], bool]:
     """A check `up` makes while it waits: True once every service's `/readyz` has answered 200, when it says so (the
     API answers before the writer has loaded its model: a write sent meanwhile may wait out its timeout, a 202)."""
-    import urllib.error
+    import http.client
     import urllib.request
 
     waiting = list(probes)
+    local = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP_PROXY
 
     def check() -> bool:
         while waiting:
             try:
-                with urllib.request.urlopen(waiting[0], timeout=0.5) as answer:
-                    if answer.status != 200:
-                        return False
-            except (OSError, urllib.error.URLError):
+                local.open(waiting[0], timeout=0.5).close()
+            except (OSError, http.client.HTTPException):  # refused, not ready yet (an HTTPError), a broken answer
                 return False
             waiting.pop(0)
             if not waiting:

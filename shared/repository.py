@@ -335,7 +335,7 @@ async def update_entry(session: AsyncSession, entry: MemoryEntry, changes: dict[
 
 
 async def delete_entry(session: AsyncSession, entry: MemoryEntry) -> None:
-    """The entry, and the texts of its history: a deleted fact is kept nowhere (its history held every text it had,
+    """The entry, and the texts of its history: a deleted fact is kept in no table (its history held every text it had,
     and the near-copies skipped against it). What happened to it stays recorded, for audit: ids, actions, times."""
     await _forget_texts_of_history(session, EntryHistory.entry_id == entry.id)
     await session.execute(delete(MemoryEntry).where(MemoryEntry.id == entry.id))

@@ -271,14 +271,19 @@ async def test_an_empty_edit_changes_nothing(client: httpx.AsyncClient, memory: 
     assert [record["action"] for record in history] == ["created"]
 
 
+@pytest.mark.parametrize("caller", ["admin", "api key"])
 async def test_an_edit_holds_no_database_connection_while_its_new_content_is_embedded(
-    settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caller: str
 ) -> None:
     # Its transaction stayed open over the model call (a remote one may take up to 30 s): some 30 edits against a
-    # slow embedder emptied the API's pool, and every other request waited for a connection.
+    # slow embedder emptied the API's pool, and every other request waited for a connection. With an API key read
+    # from the database (not remembered), the key's read held one too.
     from services.api.routes import entries as entries_route
 
-    async with open_api(settings) as (app, api):
+    async with open_api(settings.model_copy(update={"memories_api_key_cache_s": 0})) as (app, api):
+        if caller == "api key":
+            created = await api.post("/api-keys", json={"project_id": memory["project_id"], "actions": ["memories:*"]})
+            api.headers["Authorization"] = f"Bearer {created.json()['key']}"
         pool = app.state.sessions.kw["bind"].pool
         held: list[int] = []
         embed = entries_route.embed_texts

@@ -5,6 +5,7 @@ effect per write id, and a write that spoils the batch failing alone."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import zlib
@@ -19,7 +20,7 @@ import nats
 import numpy as np
 import pytest
 from sqlalchemy import event, select
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.handler import PreparedBatch, WriteHandler
@@ -824,13 +825,27 @@ async def test_the_bus_failing_one_writes_settling_leaves_the_rest_of_its_batch_
         await partition.publish(*writes)
         await partition.until_decided(*writes)
         assert await partition.unacknowledged() == 1  # the first, back after the ack wait, then answered from its record
+        # Each is announced on the change feed, the first too: delivered again, it is a replay, which announces nothing.
+        feed = await partition._js.pull_subscribe(bus.event_subject(project["id"], "created"), stream=bus.EVENTS_STREAM)
+        announced = {json.loads(m.data)["write_id"] for m in await feed.fetch(100, timeout=2)}
+        assert {one.write_id for one in writes} <= announced
 
 
+@pytest.mark.parametrize(
+    ("failure", "settled", "dead_lettered"),
+    [
+        # Acknowledged first, a write whose failure could not be recorded (the database down) stayed pending for ever.
+        (OperationalError("UPDATE", {}, ConnectionError("server closed the connection")), ["nak"], False),
+        # What failed the write fails its record too (a value the table cannot hold): retried for ever, it was never
+        # dead-lettered.
+        (DataError("UPDATE", {}, ValueError("value too long for type character varying(32)")), ["ack"], True),
+    ],
+    ids=["outage", "lasting"],
+)
 async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_recorded(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, failure: Exception, settled: list[str], dead_lettered: bool,
 ) -> None:
-    # Acknowledged first, a write whose failure could not be recorded stayed pending for ever.
     class Delivered:
         subject, data = "memories.write.0.mem_x", b"{}"
         metadata = SimpleNamespace(num_delivered=settings.memories_max_deliver)
@@ -844,12 +859,12 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
         async def nak(self, delay: float | None = None) -> None:
             self.settled.append("nak")
 
-    async def database_down(*_args: Any) -> AppliedWrite:
-        raise OperationalError("UPDATE", {}, ConnectionError("server closed the connection"))
+    async def record_fails(*_args: Any) -> AppliedWrite:
+        raise failure
 
     memory = await new_memory(client, project, "given up")
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
-    monkeypatch.setattr(applier, "record_failure", database_down)
+    monkeypatch.setattr(applier, "record_failure", record_fails)
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(applier, nc, settings, model_lanes=1)
@@ -863,7 +878,7 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
         await handler._retry_or_give_up(message, write(memory, "Never applied"), RuntimeError("a bug"))  # type: ignore[arg-type]
     finally:
         await nc.close()
-    assert message.settled == ["nak"] and letters == []  # it comes back and is given up on again
+    assert message.settled == settled and bool(letters) is dead_lettered
 
 
 async def test_a_write_on_a_subject_naming_another_memory_is_answered_failed(

@@ -74,6 +74,9 @@ async def get_principal(request: Request, session: ReadSessionDep) -> Principal:
         return Principal(is_admin=True)
     if token.startswith(iam.SECRET_PREFIX):
         key = await request.app.state.live_keys.lookup(session, token)
+        # Its connection back to the pool now, not when the response is sent: the route may wait seconds on a
+        # model (an edit's embedding) holding none. A route that reads through this session takes one again.
+        await session.close()
         if key is not None:
             return Principal(is_admin=False, project_id=key.project_id, actions=key.actions, key_id=key.id)
     raise ApiError(401, "invalid token")

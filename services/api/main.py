@@ -31,7 +31,7 @@ from services.api.routes import (
 from shared import bus
 from shared import metrics as service_metrics
 from shared.db.session import create_engine, session_factory
-from shared.embeddings import preload
+from shared.embeddings import EmbeddingError, preload
 from shared.lifecycle import freeze_long_lived_objects
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
@@ -53,7 +53,10 @@ def create_app(settings: Settings) -> FastAPI:
         # write, and is then told to retry: a 503, not a connection held for minutes.
         # litellm's imports and the in-process model: seconds that the first search or edit would otherwise spend
         # on the event loop, every other request of the process (health probes too) waiting behind them.
-        await asyncio.to_thread(preload, settings.embedding_model)
+        try:
+            await asyncio.to_thread(preload, settings.embedding_model)
+        except EmbeddingError as exc:  # what needs no embedding still serves
+            log.error("%s: searches and edits of content answer 503", exc)
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
         nc = await bus.connect(settings.nats_url, name="memories-api")
         await bus.ensure_layout(nc.jetstream(), settings)

@@ -70,7 +70,7 @@ class ExtractorService(ConsumerProcess):
             await self._handle(message)
         except Exception:
             # FastStream logs nothing here (its logger is off); not settled, the turn comes back after the ack wait.
-            log.exception("a completed turn could not be settled (the bus or the database failed)")
+            log.exception("a completed turn could not be settled", extra={"subject": message.raw_message.subject})
 
     async def _handle(self, message: NatsMessage) -> None:
         assert self.nc is not None

@@ -184,12 +184,14 @@ class WriteHandler:
                     if isinstance(result, Exception):
                         await self._retry_or_give_up(message, event, result)
                     else:
-                        await self._settle(message, event, result)
+                        # Announced whatever becomes of its ack: delivered again, it would be a replay, which
+                        # announces nothing.
                         announcements.append(asyncio.create_task(self._announce(event, result)))
+                        await self._settle(message, event, result)
                 except nats.errors.Error as exc:
                     # The bus failed this write's dead letter, ack or answer: the batch's other writes are settled
-                    # all the same. Not acknowledged, this one comes back after the ack wait, and a decided write
-                    # is then answered from its stored outcome, not decided again.
+                    # all the same. Unacknowledged, it comes back after the ack wait and is answered from its stored
+                    # outcome, not decided again; unanswered, its caller gets a 202 and finds the outcome by its id.
                     log.warning("could not settle the write: %s", str(exc) or type(exc).__name__)
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
@@ -265,12 +267,13 @@ class WriteHandler:
             log.warning("could not dead-letter the undecidable write: %s", str(exc) or type(exc).__name__)
             return
         if write_id is not None:
-            await self._fail_unreadable(write_id, memory_id, reply_subject)
+            await self._fail_undecidable(write_id, memory_id, reply_subject)
 
-    async def _fail_unreadable(self, write_id: str, memory_id: str, reply_subject: str | None) -> None:
-        """An event this writer cannot read (sent by a newer or broken API) is dead-lettered; its write must not
-        stay pending for ever, and its caller need not wait out the timeout: both are told it failed."""
-        reason = "the writer could not read this write's event; it was set aside for an operator"
+    async def _fail_undecidable(self, write_id: str, memory_id: str, reply_subject: str | None) -> None:
+        """An event this writer cannot decide (sent by a newer or broken API: unreadable, or on another memory's
+        subject) is dead-lettered; its write must not stay pending for ever, and its caller need not wait out the
+        timeout: both are told it failed."""
+        reason = "the writer could not decide this write's event; it was set aside for an operator"
         metrics.observe_write_failure("INTERNAL_ERROR")
         try:
             await self._applier.fail_pending(write_id, memory_id, "INTERNAL_ERROR", reason)
@@ -298,13 +301,19 @@ class WriteHandler:
         # Idempotency-Key may still apply it.
         reason = f"the write could not be applied after {delivered} attempts and was set aside for an operator"
         try:
-            applied = await self._applier.record_failure(event, "INTERNAL_ERROR", reason)
-        except Exception:  # it comes back and is given up on again
-            log.exception("could not record the write as failed")
-            await message.nak(delay=bus.retry_delay(self._backoff, delivered))
-            return
+            applied: AppliedWrite | None = await self._applier.record_failure(event, "INTERNAL_ERROR", reason)
+        except Exception as failure:
+            if bus.is_outage(failure):  # it comes back once the database does, and is given up on again
+                log.warning("could not record the write as failed: %s", failure)
+                await message.nak(delay=None if self._stop.is_set() else bus.retry_delay(self._backoff, delivered))
+                return
+            # What failed the write fails its record too (a value the table cannot hold): the dead letter holds it.
+            log.exception("could not record the write as failed; its status stays pending")
+            applied = None
         await self.dead_letter(message.subject, message.data, reason=f"gave up after {delivered}: {exc!r}")
         await message.ack()
+        if applied is None:
+            return
         _count(event, applied)
         if event.reply_subject:
             await self._nc.publish(event.reply_subject, applied.outcome.model_dump_json().encode())

@@ -54,12 +54,16 @@ def register_local_provider() -> None:
 
 def preload(model: str) -> None:
     """Import litellm and load `model` when it runs in-process: seconds of work that a first call would do on its
-    caller's event loop, stalling every request of the process meanwhile. Blocking: run it in a thread."""
+    caller's event loop, stalling every request of the process meanwhile. Blocking: run it in a thread. Raises
+    EmbeddingError when the model cannot be loaded (each call would then fail the same way)."""
     register_local_provider()
     from ._provider import load_model
 
     if model.startswith(LOCAL_PREFIX):
-        load_model(model).warm_up()
+        try:
+            load_model(model).warm_up()
+        except Exception as exc:
+            raise EmbeddingError(model, str(exc)) from exc
 
 
 async def embed_texts(
