@@ -9,7 +9,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from tests.conftest import make_settings, open_client
+from shared.settings import Settings
+from tests.conftest import make_settings, open_api, open_client
 
 RESULT_FIELDS = {
     "source_type",
@@ -294,3 +295,30 @@ async def test_a_tag_matching_more_memories_than_a_statement_has_parameters_is_s
     finally:
         async with sessions.begin() as session:  # the other tests share this database
             await session.execute(text("DELETE FROM memories WHERE project_id = :project"), {"project": project["id"]})
+
+
+@pytest.mark.parametrize("route", ["/knowledge/search", "/knowledge/context"])
+async def test_an_admin_search_holds_no_database_connection_while_its_query_is_embedded(
+    settings: Settings, project: dict[str, Any], monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    # The admin's project was read in the search's transaction, which stayed open over the model call (a remote
+    # one may take up to 30 s): a pooled connection held for nothing.
+    from shared import search as search_module
+
+    async with open_api(settings) as (app, api):
+        pool = app.state.sessions.kw["bind"].pool
+        held: list[int] = []
+        embed = search_module.embed_texts
+
+        async def watched(texts: list[str], **options: Any) -> list[list[float]]:
+            held.append(pool.checkedout())
+            return await embed(texts, **options)
+
+        monkeypatch.setattr(search_module, "embed_texts", watched)
+        if route == "/knowledge/search":
+            body = {"project_id": project["id"], "query": "refunds", "memory_tags": ["*"]}
+        else:
+            body = {"project_id": project["id"], "message": "refunds", "knowledge_config": {"memory_tags": ["*"]}}
+        answer = await api.post(route, json=body)
+    assert answer.status_code == 200, answer.text
+    assert held == [0]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.api.deps import PrincipalDep, SessionDep, SettingsDep, require, resolve_project
+from services.api.deps import Principal, PrincipalDep, SessionDep, SettingsDep, require, resolve_project
 from services.api.errors import ApiError
 from services.api.knowledge_schemas import (
     KnowledgeContextRequest,
@@ -31,6 +32,14 @@ def _nothing_to_search() -> ApiError:
     )
 
 
+async def _project_without_a_transaction(session: AsyncSession, principal: Principal, requested: str | None) -> str:
+    """The request's project; the admin's is read from the database, whose connection goes back to the pool before
+    the query is embedded (the model may take seconds: a remote one up to 30 s)."""
+    project_id = await resolve_project(session, principal, requested)
+    await session.rollback()
+    return project_id
+
+
 @router.post(
     "/search",
     summary="Search entries by similarity, or list them by age without a query",
@@ -48,7 +57,7 @@ def _nothing_to_search() -> ApiError:
 async def search(
     body: KnowledgeSearch, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> JSONResponse:
-    project_id = await resolve_project(session, principal, body.project_id)
+    project_id = await _project_without_a_transaction(session, principal, body.project_id)
     filters = KnowledgeFilter(memory_ids=tuple(body.memory_ids), tag_patterns=tuple(body.memory_tags))
     if (body.query is None or is_blank(body.query)) and not filters.given:
         raise _nothing_to_search()
@@ -86,7 +95,7 @@ async def search(
 async def context(
     body: KnowledgeContextRequest, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> JSONResponse:
-    project_id = await resolve_project(session, principal, body.project_id)
+    project_id = await _project_without_a_transaction(session, principal, body.project_id)
     if (body.message is None or is_blank(body.message)) and not body.knowledge_config.filters.given:
         raise _nothing_to_search()
     try:
