@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -215,3 +216,18 @@ def raw_exchange(port: int, *requests: bytes, pause: float = 0.0, quiet_s: float
             while chunk := connection.recv(65536):
                 answered += chunk
     return answered
+
+
+def connections_held_while_embedding(monkeypatch: pytest.MonkeyPatch, app: FastAPI, caller: ModuleType) -> list[int]:
+    """How many of `app`'s pooled connections are checked out at each embedding `caller` (a module that imported
+    `embed_texts`) asks for: a request must hold none over a model call, which may take seconds."""
+    pool = app.state.sessions.kw["bind"].pool
+    held: list[int] = []
+    embed = caller.embed_texts
+
+    async def watched(texts: list[str], **options: Any) -> list[list[float]]:
+        held.append(pool.checkedout())
+        return await embed(texts, **options)
+
+    monkeypatch.setattr(caller, "embed_texts", watched)
+    return held

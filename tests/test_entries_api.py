@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import repository as repo
 from shared.settings import Settings
-from tests.conftest import open_api, wait_until_blocked_by
+from tests.conftest import connections_held_while_embedding, open_api, wait_until_blocked_by
 
 ENTRY_FIELDS = {
     "id", "memory_id", "content", "source_type", "tags", "metadata", "source_generation_id",
@@ -284,15 +284,7 @@ async def test_an_edit_holds_no_database_connection_while_its_new_content_is_emb
         if caller == "api key":
             created = await api.post("/api-keys", json={"project_id": memory["project_id"], "actions": ["memories:*"]})
             api.headers["Authorization"] = f"Bearer {created.json()['key']}"
-        pool = app.state.sessions.kw["bind"].pool
-        held: list[int] = []
-        embed = entries_route.embed_texts
-
-        async def watched(texts: list[str], **options: Any) -> list[list[float]]:
-            held.append(pool.checkedout())
-            return await embed(texts, **options)
-
-        monkeypatch.setattr(entries_route, "embed_texts", watched)
+        held = connections_held_while_embedding(monkeypatch, app, entries_route)
         entry = (await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Old wording"})).json()
         edited = await api.put(f"/memory-entries/{entry['id']}", json={"content": "A new wording altogether"})
     assert edited.status_code == 200 and edited.json()["content"] == "A new wording altogether"

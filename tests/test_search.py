@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared.settings import Settings
-from tests.conftest import make_settings, open_api, open_client
+from tests.conftest import connections_held_while_embedding, make_settings, open_api, open_client
 
 RESULT_FIELDS = {
     "source_type",
@@ -306,15 +306,7 @@ async def test_an_admin_search_holds_no_database_connection_while_its_query_is_e
     from shared import search as search_module
 
     async with open_api(settings) as (app, api):
-        pool = app.state.sessions.kw["bind"].pool
-        held: list[int] = []
-        embed = search_module.embed_texts
-
-        async def watched(texts: list[str], **options: Any) -> list[list[float]]:
-            held.append(pool.checkedout())
-            return await embed(texts, **options)
-
-        monkeypatch.setattr(search_module, "embed_texts", watched)
+        held = connections_held_while_embedding(monkeypatch, app, search_module)
         if route == "/knowledge/search":
             body = {"project_id": project["id"], "query": "refunds", "memory_tags": ["*"]}
         else:
