@@ -7,9 +7,8 @@ import gc
 import signal
 
 
-async def wait_for_shutdown_signal(stop: asyncio.Event | None = None) -> None:
+async def wait_for_shutdown_signal(stop: asyncio.Event) -> None:
     """Until SIGINT or SIGTERM sets `stop`, or the process itself does."""
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

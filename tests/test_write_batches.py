@@ -5,6 +5,7 @@ effect per write id, and a write that spoils the batch failing alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -846,11 +847,12 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
     monkeypatch: pytest.MonkeyPatch, failure: Exception, settled: list[str], dead_lettered: bool,
 ) -> None:
-    class Delivered:
-        subject, data = "memories.write.0.mem_x", b"{}"
+    class Delivered:  # what the handler does with the message is the subject of the test: recorded here
+        data = b"{}"
         metadata = SimpleNamespace(num_delivered=settings.memories_max_deliver)
 
-        def __init__(self) -> None:
+        def __init__(self, subject: str) -> None:
+            self.subject = subject
             self.settled: list[str] = []
 
         async def ack(self) -> None:
@@ -868,17 +870,15 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(applier, nc, settings, model_lanes=1)
-        letters: list[str] = []
-
-        async def dead_letter(subject: str, body: bytes, *, reason: str) -> None:
-            letters.append(reason)
-
-        monkeypatch.setattr(handler, "dead_letter", dead_letter)
-        message = Delivered()
+        message = Delivered(f"{bus.WRITE_SUBJECT_ROOT}.0.{memory['id']}")
         await handler._retry_or_give_up(message, write(memory, "Never applied"), RuntimeError("a bug"))  # type: ignore[arg-type]
+        letters = await nc.jetstream().pull_subscribe(bus.dead_letter_subject("writer"), stream=bus.DEAD_LETTER_STREAM)
+        parked: list[str] = []
+        with contextlib.suppress(nats.errors.TimeoutError):  # none at all
+            parked = [json.loads(m.data)["origin_subject"] for m in await letters.fetch(10_000, timeout=2)]
     finally:
         await nc.close()
-    assert message.settled == settled and bool(letters) is dead_lettered
+    assert message.settled == settled and (message.subject in parked) is dead_lettered
 
 
 async def test_a_write_on_a_subject_naming_another_memory_is_answered_failed(

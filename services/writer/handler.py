@@ -257,31 +257,27 @@ class WriteHandler:
     async def _dead_letter_undecidable(
         self, message: Msg, reason: str, write_id: str | None, memory_id: str, reply_subject: str | None
     ) -> None:
-        """Dead-letter a write event that cannot be decided (retrying cannot fix it), then fail its write. When the
-        bus does not take the dead letter, the message stays unacknowledged and comes back after the ack wait; the
-        rest of its batch is decided meanwhile."""
+        """A write event this writer cannot decide (sent by a newer or broken API: unreadable, or on another memory's
+        subject) is dead-lettered, retrying cannot fix it; its write must not stay pending for ever, and its caller
+        need not wait out the timeout: both are told it failed. When the bus does not take the dead letter, the
+        message stays unacknowledged and comes back after the ack wait; the rest of its batch is decided meanwhile."""
         try:
             await self.dead_letter(message.subject, message.data, reason=reason)
             await message.ack()
         except nats.errors.Error as exc:
             log.warning("could not dead-letter the undecidable write: %s", str(exc) or type(exc).__name__)
             return
-        if write_id is not None:
-            await self._fail_undecidable(write_id, memory_id, reply_subject)
-
-    async def _fail_undecidable(self, write_id: str, memory_id: str, reply_subject: str | None) -> None:
-        """An event this writer cannot decide (sent by a newer or broken API: unreadable, or on another memory's
-        subject) is dead-lettered; its write must not stay pending for ever, and its caller need not wait out the
-        timeout: both are told it failed."""
-        reason = "the writer could not decide this write's event; it was set aside for an operator"
+        if write_id is None:
+            return
+        told = "the writer could not decide this write's event; it was set aside for an operator"
         metrics.observe_write_failure("INTERNAL_ERROR")
         try:
-            await self._applier.fail_pending(write_id, memory_id, "INTERNAL_ERROR", reason)
+            await self._applier.fail_pending(write_id, memory_id, "INTERNAL_ERROR", told)
         except Exception:  # the dead letter holds the write; only its status is stale
             log.exception("could not record the unreadable write as failed")
         if reply_subject is None:
             return
-        outcome = MemoryWriteOutcome(write_id=write_id, error=WriteError(code="INTERNAL_ERROR", message=reason, status=500))
+        outcome = MemoryWriteOutcome(write_id=write_id, error=WriteError(code="INTERNAL_ERROR", message=told, status=500))
         try:
             await self._nc.publish(reply_subject, outcome.model_dump_json().encode())
         except nats.errors.Error as exc:  # a reply subject as broken as the rest of the event

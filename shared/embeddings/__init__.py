@@ -81,8 +81,9 @@ async def embed_texts(
 
     from ._provider import litellm
 
+    local = model.startswith(LOCAL_PREFIX)
     kwargs: dict[str, Any] = {}
-    if dimensions is not None and not model.startswith(LOCAL_PREFIX):
+    if dimensions is not None and not local:
         # litellm rejects `dimensions` for custom providers outright, and for remote models that
         # cannot shorten; drop_params turns that into "ignored", and the length check below decides.
         kwargs.update(dimensions=dimensions, drop_params=True)
@@ -90,7 +91,7 @@ async def embed_texts(
     with metrics.track_embedding(model, purpose) as call:
         try:
             asked = litellm.aembedding(model=model, input=list(texts), **kwargs)
-            response = await (asked if model.startswith(LOCAL_PREFIX) else asyncio.wait_for(asked, REMOTE_TIMEOUT_S))
+            response = await (asked if local else asyncio.wait_for(asked, REMOTE_TIMEOUT_S))
         except TimeoutError as exc:
             raise EmbeddingError(model, f"no answer within {REMOTE_TIMEOUT_S:g} s") from exc
         except Exception as exc:  # litellm maps provider failures onto many exception types
