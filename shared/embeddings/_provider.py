@@ -96,6 +96,8 @@ def _fill(response: EmbeddingResponse, model: str, vectors: np.ndarray, tokens: 
         {"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)
     ]
     response.usage = Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)
+    # A stamped cost is taken as it is; otherwise litellm prices the free call again after it returns.
+    response._hidden_params["response_cost"] = 0.0
     return response
 
 
