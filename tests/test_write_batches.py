@@ -549,6 +549,43 @@ async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
         await partition.until_decided(slow)
 
 
+async def test_a_lane_commits_and_answers_each_write_before_it_asks_a_model_about_the_next(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A lane holds its memory's lock while a model answers. One transaction for all of a memory's set-aside writes
+    # held the lock (and every edit of the memory) through all of their model calls, kept each answer from its
+    # caller until the last was in, and lost the answers already given to an outage met at the last.
+    asked: list[tuple[Any, ...]] = []
+    release = asyncio.Event()
+
+    async def second_held(_steps: Any, *question: Any) -> None:
+        asked.append(question)
+        if len(asked) > 1:
+            await release.wait()
+
+    monkeypatch.setattr(ModelSteps, "arbitrate", second_held)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL, default_model="scripted/arbiter")
+    memory = await new_memory(client, project, "arbitrated")
+    await applier.apply_batch([write(memory, "Ada prefers tea")])
+    first = write(memory, "Ada prefers green tea", write_policy=WritePolicy.ARBITRATE)
+    second = write(memory, "Ada prefers her tea without sugar", write_policy=WritePolicy.ARBITRATE)
+    async with own_partition(settings, sessions, applier) as partition:
+        await partition.publish(first, second)  # one batch, one lane
+        await partition.start()
+        for _ in range(200):
+            if len(asked) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(asked) == 2
+        assert await partition.decided(first) and not await partition.decided(second)
+        release.set()
+        await partition.until_decided(second)
+    assert await valid_contents(sessions, memory["id"]) == [
+        "Ada prefers tea", "Ada prefers green tea", "Ada prefers her tea without sugar"
+    ]
+
+
 async def test_a_batch_that_could_not_be_prepared_is_prepared_again_before_its_writes_are_set_aside(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
@@ -803,6 +840,52 @@ async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_ow
     finally:
         await nc.close()
     assert running.delays == [bus.retry_delay(settings.memories_retry_backoff_s, 3)] and stopping.delays == [None]
+
+
+async def test_a_lane_stopped_by_an_outage_as_the_writer_stops_tries_none_of_its_later_writes(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A lane decides its writes one at a time. The writer stopping no longer waits an outage out: the write it
+    # stopped goes back, and the memory's later writes must go back after it, untried (the database may be back
+    # for the next one, which would then be decided before the earlier write).
+    settled: list[tuple[int, str]] = []
+
+    class Delivered:  # what the lane does with each message is the subject of the test: recorded here
+        is_acked = False
+
+        def __init__(self, sequence: int) -> None:
+            self.metadata = SimpleNamespace(num_delivered=1, sequence=SimpleNamespace(stream=sequence))
+            self.sequence = sequence
+
+        async def nak(self, delay: float | None = None) -> None:
+            settled.append((self.sequence, "nak"))
+
+        async def ack(self) -> None:
+            settled.append((self.sequence, "ack"))
+
+    tried: list[int] = []
+
+    async def down(self: WriteApplier, session: Any, batch: Any, **_options: Any) -> Any:
+        tried.append(len(batch))
+        raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+
+    memory = await new_memory(client, project, "stopping")
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    writes = [write(memory, "First set-aside fact"), write(memory, "Second set-aside fact")]
+    prepared = await applier.prepare(writes)
+    monkeypatch.setattr(WriteApplier, "_decide_batch", down)
+    messages = [Delivered(1), Delivered(2)]
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(applier, nc, settings, model_lanes=1)
+        handler.stop()
+        batch = PreparedBatch(list(zip(messages, writes, strict=True)), prepared)  # type: ignore[arg-type]
+        await asyncio.wait_for(handler._decide_in_lane(None, batch, messages), 10)  # type: ignore[arg-type]
+    finally:
+        await nc.close()
+    assert tried == [1, 1]  # the first write, in the lane's transaction and then alone; never the second
+    assert settled == [(1, "nak"), (2, "nak")]
 
 
 async def test_the_bus_failing_one_writes_settling_leaves_the_rest_of_its_batch_settled(

@@ -143,7 +143,13 @@ class WriteHandler:
                 if before is not None:
                     await asyncio.wait({before})
                 async with self._lane_slots:
-                    await self._conclude(writes, in_lane=True)
+                    # One write per transaction: the memory's lock (and its edits) waits on one model answer at a
+                    # time, and each write is answered as soon as it is decided.
+                    for i in range(len(messages)):
+                        if not await self._conclude(writes.part([i]), in_lane=True):
+                            # Stopped by an outage as the writer stops: the later writes go back after it, in order.
+                            await bus.hand_back(messages[i + 1 :])
+                            return
         except Exception:  # the steps handle their own failures; this is a bug, and the writes are redelivered
             log.exception("set-aside writes failed")
         finally:
@@ -166,11 +172,12 @@ class WriteHandler:
                 return
             await asyncio.wait(pending, timeout=left)
 
-    async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> None:
+    async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> bool:
         """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
-        decision may wait for its memory and a model; elsewhere the writes that would wait are set aside (`Deferred`)."""
+        decision may wait for its memory and a model; elsewhere the writes that would wait are set aside (`Deferred`).
+        False when an outage stopped some of them (the writer is stopping: it no longer waits outages out)."""
         if not batch.events:
-            return
+            return True
         results = await self._decide_through_outages(batch, in_lane=in_lane)
         self._set_aside(batch, [i for i, result in enumerate(results) if isinstance(result, Deferred)])
         announcements = []
@@ -196,6 +203,7 @@ class WriteHandler:
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
+        return not any(isinstance(result, Exception) and bus.is_outage(result) for result in results)
 
     async def _decide_through_outages(
         self, batch: PreparedBatch, *, in_lane: bool = False
