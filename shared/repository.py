@@ -222,6 +222,7 @@ async def lock_memories_unless_busy(session: AsyncSession, memory_ids: Iterable[
 _LOCK_KEY = "hashtextextended(key, 0)"  # a text key's advisory lock, the same for every way of taking it
 _KEYS = "unnest(CAST(:keys AS text[])) AS key"
 _TRY_LOCK_KEYS = text(f"SELECT key FROM {_KEYS} WHERE NOT pg_try_advisory_xact_lock({_LOCK_KEY})")
+_TRY_LOCK_KEYS_SHARED = text(f"SELECT key FROM {_KEYS} WHERE NOT pg_try_advisory_xact_lock_shared({_LOCK_KEY})")
 _LOCK_KEYS = {
     shared: text(f"SELECT {function}({_LOCK_KEY}) FROM {_KEYS}")
     for shared, function in ((False, "pg_advisory_xact_lock"), (True, "pg_advisory_xact_lock_shared"))
@@ -590,20 +591,32 @@ def _provenance_lock_key(reference: ProvenanceRef) -> str:
 
 
 async def hold_provenance(
-    session: AsyncSession, references: Iterable[ProvenanceRef]
-) -> dict[ProvenanceRef, datetime]:
+    session: AsyncSession, references: Iterable[ProvenanceRef], *, wait: bool = True
+) -> tuple[dict[ProvenanceRef, datetime], set[ProvenanceRef]]:
     """The references of this transaction's new entries: share-locked until it ends (so forgetting one waits
-    for the entries being written, then clears them too), and of those, the ones forgotten, with when."""
+    for the entries being written, then clears them too), and of those, the ones forgotten, with when.
+
+    Without `wait`, a reference being forgotten right now (its forgetting holds the lock, or waits for it: a share
+    lock would queue behind it) is not locked but returned as busy, the second of the pair."""
     wanted = sorted(set(references))
     if not wanted:
-        return {}
-    await _lock_keys(session, map(_provenance_lock_key, wanted), shared=True)
+        return {}, set()
+    keys = {_provenance_lock_key(reference): reference for reference in wanted}
+    busy: set[ProvenanceRef] = set()
+    if wait:
+        await _lock_keys(session, keys, shared=True)
+    else:
+        rows = await session.execute(_TRY_LOCK_KEYS_SHARED, {"keys": sorted(keys)})
+        busy = {keys[key] for key in rows.scalars()}
+    held = [reference for reference in wanted if reference not in busy]
+    if not held:
+        return {}, busy
     # A statement of its own, after the locks: it sees a forgetting committed while this one waited.
     columns = (ForgottenProvenance.project_id, ForgottenProvenance.kind, ForgottenProvenance.reference)
     rows = await session.execute(
-        select(*columns, ForgottenProvenance.forgotten_at).where(tuple_(*columns).in_(wanted))
+        select(*columns, ForgottenProvenance.forgotten_at).where(tuple_(*columns).in_(held))
     )
-    return {(row.project_id, row.kind, row.reference): row.forgotten_at for row in rows}
+    return {(row.project_id, row.kind, row.reference): row.forgotten_at for row in rows}, busy
 
 
 async def clear_provenance(

@@ -255,7 +255,7 @@ class WriteApplier:
             return []
         if not defer_waits:
             await repo.lock_memories(session, [one.event.memory_id for one in batch])
-        batch = await _forget_forgotten(session, batch)
+        batch, being_forgotten = await _forget_forgotten(session, batch, wait=not defer_waits)
         events = [one.event for one in batch]
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
         stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
@@ -269,6 +269,11 @@ class WriteApplier:
             event = one.event
             if event.memory_id in deferred:
                 decided.append(Deferred(event.memory_id, "an earlier write of its memory was deferred"))
+                continue
+            if being_forgotten.intersection(_references(event)):
+                # The forgetting holds its lock, or waits for it: the transaction every partition shares must not.
+                decided.append(Deferred(event.memory_id, "a generation or conversation it cites is being forgotten"))
+                deferred.add(event.memory_id)
                 continue
             if event.write_id in earlier:  # the same write delivered twice in one batch: one effect
                 outcome = earlier[event.write_id].applied.outcome
@@ -523,20 +528,22 @@ class Decided:
         return replace(self, applied=replace(self.applied, outcome=outcome.model_copy(update={"entry": state})))
 
 
-async def _forget_forgotten(session: AsyncSession, batch: Sequence[PreparedWrite]) -> Sequence[PreparedWrite]:
+async def _forget_forgotten(
+    session: AsyncSession, batch: Sequence[PreparedWrite], *, wait: bool
+) -> tuple[Sequence[PreparedWrite], set[repo.ProvenanceRef]]:
     """The batch with the generations and conversations forgotten since its writes cited them left out of
     their new entries' provenance; the others are share-locked until the batch commits
-    (`repository.hold_provenance`)."""
+    (`repository.hold_provenance`). Without `wait`, also the references being forgotten right now, not locked."""
     references = [_references(one.event) for one in batch]
-    forgotten = await repo.hold_provenance(session, [ref for refs in references for ref in refs])
+    forgotten, busy = await repo.hold_provenance(session, [ref for refs in references for ref in refs], wait=wait)
     if not forgotten:
-        return batch
+        return batch, busy
     kept = []
     for one, refs in zip(batch, references, strict=True):
         seen_at = one.event.sources_seen_at or one.event.occurred_at
         cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten and _forgotten_for(ref, seen_at, forgotten[ref])}
         kept.append(replace(one, event=one.event.model_copy(update=cleared)) if cleared else one)
-    return kept
+    return kept, busy
 
 
 def _forgotten_for(reference: repo.ProvenanceRef, seen_at: datetime, forgotten_at: datetime) -> bool:

@@ -503,7 +503,7 @@ async def test_a_forgotten_generation_is_not_brought_back_by_a_write_in_flight(
     # Forgotten while a write holding the reference is being decided: forgetting waits for its commit, then
     # clears the new entry too.
     async with sessions.begin() as session:
-        assert await repo.hold_provenance(session, [(project, "generation", "gen_racing")]) == {}
+        assert await repo.hold_provenance(session, [(project, "generation", "gen_racing")]) == ({}, set())
         entry_id = await repo.insert_entry(
             session, memory_id=memory["id"], project_id=project, content="Racing fact", content_hash="h",
             embedding=[1.0] + [0.0] * 383, embedding_model=LOCAL_MODEL, source_type="extraction",

@@ -528,6 +528,30 @@ async def test_a_memory_another_transaction_holds_is_waited_for_aside(
     assert await valid_contents(sessions, held["id"]) == ["A fact for the held memory", "A later fact for it"]
 
 
+async def test_a_write_citing_a_conversation_being_forgotten_is_waited_for_aside(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # Forgetting a conversation locks it exclusively, waiting for the writes that cite it (a lane's, behind a slow
+    # model). The transaction every partition shares asked for its share lock and queued behind the forgetting,
+    # and every partition of the writer waited with it: it must leave such a write to a lane instead.
+    applier = WriteApplier(sessions, CountingEmbedder(), "counting")
+    cited, neighbour = await new_memory(client, project, "cited"), await new_memory(client, project, "neighbour")
+    citing = write(cited, "A fact from the conversation", source_conversation_id="conv_being_forgotten")
+    later, neighbours = write(cited, "A later fact of that memory"), write(neighbour, "A fact for its neighbour")
+    prepared = await applier.prepare([citing, neighbours, later])
+    async with sessions() as forgetting, forgetting.begin():
+        await repo.clear_provenance(forgetting, project["id"], conversation_id="conv_being_forgotten")
+        results = await asyncio.wait_for(applier.decide(prepared, defer_waits=True), 5)
+    assert isinstance(results[0], Deferred) and isinstance(results[2], Deferred)
+    assert actions(results[1:2]) == ["created"]
+    # In its lane, it waits for the forgetting and is stored without the reference forgotten before it was decided.
+    (applied,) = await applier.decide([prepared[0]])
+    assert isinstance(applied, AppliedWrite) and applied.outcome.action == WriteAction.CREATED
+    async with sessions() as session:
+        entry = await session.get(MemoryEntry, applied.outcome.entry_id)
+    assert entry is not None and entry.source_conversation_id is None
+
+
 async def test_a_write_waiting_on_arbitration_is_set_aside_like_a_merge(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
     settings: Settings, monkeypatch: pytest.MonkeyPatch,
