@@ -212,8 +212,9 @@ async def mark_extraction_pending(session: AsyncSession, project_id: str, genera
     return ReportedTurn("pending", retry_of=known.updated_at.isoformat(), first_reported_at=known.created_at)
 
 
-async def restore_failed_extraction(session: AsyncSession, project_id: str, generation_id: str) -> None:
-    """A retry that could not be published leaves the turn failed, as it found it."""
+async def fail_unpublished_extraction(session: AsyncSession, project_id: str, generation_id: str) -> None:
+    """A report that could not be published leaves the turn failed (a retry as it found it), so that the caller's next
+    report is a retry: under its first message id the stream's duplicate window could swallow it."""
     await session.execute(
         update(GenerationExtraction)
         .where(
@@ -221,7 +222,7 @@ async def restore_failed_extraction(session: AsyncSession, project_id: str, gene
             GenerationExtraction.generation_id == generation_id,
             GenerationExtraction.status == "pending",
         )
-        .values(status="failed", reason="a retry could not be published; report the turn again", updated_at=func.now())
+        .values(status="failed", reason="the turn could not be published; report the turn again", updated_at=func.now())
     )
 
 

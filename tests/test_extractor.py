@@ -572,9 +572,11 @@ async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
         assert kept == (["Lunch is at noon"], "scripted/a")
 
 
-async def test_a_retry_that_cannot_be_published_leaves_the_turn_failed(
+async def test_a_report_that_cannot_be_published_leaves_the_turn_failed(
     settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
+    # A retry of a failed turn, and a turn reported for the first time: left pending with no event on the bus, a
+    # caller that gave up after the 503 saw it pending for ever.
     from shared.events import ExtractionSummary
     from shared.extraction import ExtractionResult
 
@@ -591,17 +593,21 @@ async def test_a_retry_that_cannot_be_published_leaves_the_turn_failed(
         async def publish(self, *_args: Any, **_kwargs: Any) -> None:
             raise nats.errors.NoServersError()
 
-    body = turn_body(memory, "scripted/unused", "gen_unpublished")
     async with open_api(settings) as (app, api):
         bus_client, app.state.nats = app.state.nats, BusDown()
         try:
-            assert (await api.post("/generations/completed", json=body)).status_code == 503
+            for generation_id in ("gen_unpublished", "gen_new_unpublished"):
+                body = turn_body(memory, "scripted/unused", generation_id)
+                assert (await api.post("/generations/completed", json=body)).status_code == 503
         finally:
             app.state.nats = bus_client
-        status = (await api.get("/generations/gen_unpublished/extraction",
-                                params={"project_id": memory["project_id"]})).json()
-    # Failed still, so the caller's next report is published as a retry, not swallowed as a duplicate.
-    assert status["status"] == "failed"
+        statuses = [
+            (await api.get(f"/generations/{generation_id}/extraction", params={"project_id": memory["project_id"]})).json()
+            for generation_id in ("gen_unpublished", "gen_new_unpublished")
+        ]
+    # Failed, so that the caller's next report is published as a retry, not swallowed as a duplicate.
+    assert [status["status"] for status in statuses] == ["failed", "failed"]
+    assert "report the turn again" in statuses[1]["reason"]
 
 
 async def test_a_turn_naming_a_model_of_a_provider_not_allowed_is_skipped_unasked(

@@ -117,11 +117,8 @@ async def generation_completed(
             msg_id=message_id,
         )
     except bus.BusUnavailable as exc:
-        if retry_of is not None:
-            # Still failed, so that the caller's next report is a retry again (under the plain message id, the
-            # stream's duplicate window could swallow it and leave the turn pending for ever).
-            await registry.restore_failed_extraction(session, project_id, event.generation_id)
-            await session.commit()
+        await registry.fail_unpublished_extraction(session, project_id, event.generation_id)
+        await session.commit()
         raise ApiError(503, f"the message bus is unavailable; retry ({exc})") from exc
     return JSONResponse({"generation_id": event.generation_id, "status": "pending"}, status_code=202)
 
