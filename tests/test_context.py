@@ -208,6 +208,11 @@ async def test_the_route_returns_the_message_and_the_results(
     )
     assert scoped.status_code == 200 and scoped.json()["results"][0]["entry_id"] == email
     assert "score" not in scoped.json()["results"][0]
+    # Nothing to search with: the 400 names this request's fields (it named the search route's).
+    nothing = await client.post("/knowledge/context", json={"project_id": project["id"], "knowledge_config": {}})
+    assert nothing.status_code == 400 and nothing.json()["error"]["meta"]["missing_fields"] == [
+        "message", "knowledge_config.memory_ids", "knowledge_config.memory_tags"
+    ]
 
 
 async def test_a_null_config_means_the_default_in_either_spelling(

@@ -24,12 +24,9 @@ from shared.search import KnowledgeFilter, search_knowledge
 router = APIRouter(prefix="/knowledge", tags=["knowledge"], route_class=CheckedRoute)
 
 
-def _nothing_to_search() -> ApiError:
-    return ApiError(
-        400,
-        "give a query, memory_ids or memory_tags",
-        meta={"missing_fields": ["query", "memory_ids", "memory_tags"]},
-    )
+def _nothing_to_search(*fields: str) -> ApiError:
+    """A 400 naming the request's own fields, one of which was needed."""
+    return ApiError(400, f"give {', '.join(fields[:-1])} or {fields[-1]}", meta={"missing_fields": list(fields)})
 
 
 async def _project_without_a_transaction(session: AsyncSession, principal: Principal, requested: str | None) -> str:
@@ -60,7 +57,7 @@ async def search(
     project_id = await _project_without_a_transaction(session, principal, body.project_id)
     filters = KnowledgeFilter(memory_ids=tuple(body.memory_ids), tag_patterns=tuple(body.memory_tags))
     if (body.query is None or is_blank(body.query)) and not filters.given:
-        raise _nothing_to_search()
+        raise _nothing_to_search("query", "memory_ids", "memory_tags")
     try:
         found = await search_knowledge(
             session,
@@ -97,7 +94,7 @@ async def context(
 ) -> JSONResponse:
     project_id = await _project_without_a_transaction(session, principal, body.project_id)
     if (body.message is None or is_blank(body.message)) and not body.knowledge_config.filters.given:
-        raise _nothing_to_search()
+        raise _nothing_to_search("message", "knowledge_config.memory_ids", "knowledge_config.memory_tags")
     try:
         built = await reference_context(
             session,
