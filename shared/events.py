@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -117,6 +118,12 @@ def refuse_blank(value: str) -> str:
     if is_blank(value):
         raise ValueError("must not be blank")
     return value
+
+
+def problem_of(error: Mapping[str, Any]) -> str:
+    """A pydantic error's message as a client reads it: a validator's own words, without the "Value error, " that
+    pydantic puts before them."""
+    return str(error.get("msg", "")).removeprefix("Value error, ")
 
 
 def one_visible_line(label: str) -> str:

@@ -8,7 +8,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shared import bus
 from shared.agents import AgentSpec, write_memory_event
-from shared.events import CONTENT_MAX_CHARS, WrittenContent
+from shared.events import CONTENT_MAX_CHARS, WrittenContent, problem_of
 from shared.write_gateway import WriteGateway
 
 WRITE_MEMORY_TOOL: dict[str, Any] = {
@@ -50,7 +50,7 @@ def content_problem(content: Any) -> str | None:
     try:
         _CONTENT.validate_python(content, strict=True)
     except ValidationError as exc:
-        return f"content is not a fact that can be stored: {exc.errors()[0]['msg']}"
+        return f"content is not a fact that can be stored: {problem_of(exc.errors()[0])}"
     return None
 
 

@@ -306,6 +306,27 @@ async def test_a_query_parameter_the_route_does_not_take_is_refused_not_ignored(
     assert_envelope(refused, 400)
     assert refused.json()["error"]["meta"]["unknown_fields"] == ["tags", "includeInvalidated"]
     assert (await client.get("/memories", params={"project_id": project_id, "tags": "a*"})).status_code == 200
+    # A parameter given twice: a list takes both; one value of two was taken silently (the last project's page).
+    both = await client.get("/memories", params=[("project_id", project_id), ("tags", "a*"), ("tags", "b*")])
+    assert both.status_code == 200, both.text
+    twice = await client.get("/memories", params=[("project_id", project_id), ("project_id", "proj_other")])
+    assert_envelope(twice, 400)
+    assert twice.json()["error"]["meta"]["invalid_fields"] == [
+        {"field": "project_id", "message": "given more than once: it takes one value"}
+    ]
+
+
+async def test_a_validators_message_reaches_the_client_in_its_own_words(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    blank = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": " \u200b "})
+    assert_envelope(blank, 400)
+    assert blank.json()["error"]["meta"]["invalid_fields"] == [{"field": "content", "message": "must not be blank"}]
+    # Where the JSON broke is a character of the body, not a field named "14".
+    broken = await client.post("/memory-entries", content=b'{"memory_id": ', headers={"content-type": "application/json"})
+    assert_envelope(broken, 400)
+    (problem,) = broken.json()["error"]["meta"]["invalid_fields"]
+    assert problem["field"] == "body" and problem["message"].endswith("at character 14"), problem
 
 
 @pytest.mark.parametrize(

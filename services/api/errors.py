@@ -14,7 +14,7 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.events import storable
+from shared.events import problem_of, storable
 
 log = logging.getLogger("memories.api")
 
@@ -91,15 +91,19 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or str(loc[0] if loc else "body")
 
 
+def _problem(error: dict[str, Any]) -> dict[str, str]:
+    if error.get("type") == "json_invalid":
+        # Its location is the character where the JSON broke, not a field.
+        at = error["loc"][-1] if len(error.get("loc", ())) > 1 else None
+        return {"field": "body", "message": problem_of(error) + (f" at character {at}" if at is not None else "")}
+    return {"field": _field(error["loc"]), "message": problem_of(error)}
+
+
 def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
     unknown = [_field(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
     missing = [_field(e["loc"]) for e in errors if e.get("type") == "missing"]
     too_large = [e for e in errors if e.get("type") in {"string_too_long"} and _field(e["loc"]) == "content"]
-    problems = [
-        {"field": _field(e["loc"]), "message": str(e.get("msg", ""))}
-        for e in errors
-        if e.get("type") not in {"extra_forbidden", "missing"}
-    ]
+    problems = [_problem(e) for e in errors if e.get("type") not in {"extra_forbidden", "missing"}]
     meta: dict[str, Any] = {}
     if unknown:
         meta["unknown_fields"] = unknown

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, get_origin
 
 from fastapi import Request, Response
 from fastapi.dependencies.models import Dependant
@@ -23,7 +24,8 @@ from shared.events import has_lone_surrogate
 class CheckedRoute(APIRoute):
     """A route that refuses, with the 400 of any invalid field:
     - a query parameter it does not take, as an unknown body field is refused: a misspelt or differently encoded
-      filter (`tag=`, `tags[]=`) must not quietly list everything;
+      filter (`tag=`, `tags[]=`) must not quietly list everything; and one that takes a single value given twice
+      (`project_id=A&project_id=B` listed B's alone);
     - a body that is not UTF-8 (RFC 8259; Python's parser would also take UTF-16, and UTF-8 with encoded
       surrogates), or that holds a lone surrogate (`"\\ud800"`: valid JSON, half of a UTF-16 pair, as a JavaScript
       client that cut a string through an emoji sends it): no UTF-8 text, so no column, log line or event, holds it.
@@ -33,12 +35,12 @@ class CheckedRoute(APIRoute):
         handler = super().get_route_handler()
         # The route's own parameters and its dependencies'. A dependency given to `include_router(dependencies=…)`
         # is not in this route's dependant: a query parameter only it takes would be refused (none does today).
-        taken = frozenset(_query_parameters(self.dependant))
+        taken = _query_parameters(self.dependant)
         takes_body = self.body_field is not None  # a body sent to a route that takes none is never read
 
         async def checked(request: Request) -> Response:
             if request.query_params:
-                _refuse_unknown_query_parameters(request, taken)
+                _refuse_query_parameters_not_taken(request, taken)
             if takes_body:
                 _refuse_text_that_is_not_unicode(await _body_of(request))
             return await handler(request)
@@ -57,17 +59,28 @@ async def _body_of(request: Request) -> bytes:
         raise HTTPException(400, "There was an error parsing the body") from exc
 
 
-def _refuse_unknown_query_parameters(request: Request, taken: frozenset[str]) -> None:
-    unknown = [name for name in dict.fromkeys(request.query_params) if name not in taken]
-    if unknown:
-        raise RequestValidationError(
-            [{"type": "extra_forbidden", "loc": ("query", name), "msg": "unknown query parameter"} for name in unknown]
-        )
+def _refuse_query_parameters_not_taken(request: Request, taken: Mapping[str, bool]) -> None:
+    given = Counter(name for name, _ in request.query_params.multi_items())
+    errors = [
+        {"type": "extra_forbidden", "loc": ("query", name), "msg": "unknown query parameter"}
+        for name in given
+        if name not in taken
+    ] + [
+        {"type": "repeated", "loc": ("query", name), "msg": "given more than once: it takes one value"}
+        for name, count in given.items()
+        if count > 1 and taken.get(name) is False
+    ]
+    if errors:
+        raise RequestValidationError(errors)
 
 
-def _query_parameters(dependant: Dependant) -> set[str]:
-    own = {field.alias for field in dependant.query_params}
-    return own.union(*(_query_parameters(sub) for sub in dependant.dependencies))
+def _query_parameters(dependant: Dependant) -> dict[str, bool]:
+    """Each query parameter of the route and its dependencies, and whether it takes several values (a list)."""
+    taken = {field.alias: get_origin(field.field_info.annotation) in (list, tuple, set, frozenset)
+             for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        taken.update(_query_parameters(sub))
+    return taken
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
