@@ -170,7 +170,7 @@ async def save_extracted_facts(
             )
         )
     ).one()
-    return list(kept.facts or facts), kept.model
+    return list(kept.facts if kept.facts is not None else facts), kept.model
 
 
 @dataclass(frozen=True, slots=True)

@@ -570,6 +570,11 @@ async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
         async with sessions.begin() as session:
             kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", facts, model)
         assert kept == (["Lunch is at noon"], "scripted/a")
+    # The first answer may be that the turn holds no fact: the second extraction then writes none either.
+    for facts, model in (([], "scripted/a"), (["Lunch is at noon"], "scripted/b")):
+        async with sessions.begin() as session:
+            kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race_empty", facts, model)
+        assert kept == ([], "scripted/a")
 
 
 async def test_a_report_that_cannot_be_published_leaves_the_turn_failed(
