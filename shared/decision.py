@@ -9,12 +9,15 @@ wrong falls back to a rule that keeps the fact (`created`, or the guard's verdic
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from shared.events import WriteAction, WritePolicy
 from shared.guard import meaning_change, normalize_content
+
+log = logging.getLogger("memories.decision")
 
 MERGE_FLOOR = 0.75
 """Agent writes scoring in [MERGE_FLOOR, duplicate_threshold) are consolidated with the nearest entry."""
@@ -135,7 +138,9 @@ async def decide(
             return Decision(WriteAction.CREATED, Rule.NO_CANDIDATE)
         try:
             verdict = await arbitrate(incoming.content, shortlist)
-        except Exception:  # noqa: BLE001 - a failed call falls back to the guarded rule
+        except Exception:  # a failed call falls back to the guarded rule
+            # The model steps report a model's own failures themselves: what reaches here is unexpected (a bug).
+            log.warning("arbitration failed; the guarded rule decides instead", exc_info=True)
             verdict = None
         decision = await _apply_verdict(incoming, verdict, relatedness)
         if decision is not None:
@@ -232,7 +237,8 @@ async def _seed_rule(
 
     try:
         merged = await consolidate(nearest.content, incoming.content)
-    except Exception:  # noqa: BLE001 - the seed: a failed completion creates instead
+    except Exception:  # the seed: a failed completion creates instead
+        log.warning("the merge failed; the write is created instead", exc_info=True)
         merged = None
     merged = await _usable_rewrite(merged, nearest.content, incoming.content, relatedness)
     if merged is None:

@@ -334,3 +334,14 @@ async def test_an_arbitrated_update_must_still_state_both_facts() -> None:
         relatedness=scores(REWRITE_FLOOR, 0.7),
     )
     assert kept.action is WriteAction.UPDATED and kept.merged_content == rewrite
+
+
+async def test_a_model_step_that_raises_is_logged_with_its_trace(caplog: pytest.LogCaptureFixture) -> None:
+    # The model steps report a model's failures themselves and answer None; an exception reaching the decision is
+    # a bug in them, which turned every merge into `merge_failed` without a line saying why.
+    incoming = IncomingWrite(content="x", duplicate_threshold=0.95, policy=WritePolicy.SEED)
+    merge = await decide(incoming, exact_match=None, nearest=[near(0.8)], consolidate=failing)
+    arbitration = await arbitrated(arbitrate_fails, [near(0.9)])
+    assert merge.rule == Rule.MERGE_FAILED and arbitration.rule.startswith(Rule.ARBITRATION_FAILED)
+    traced = [r for r in caplog.records if r.name == "memories.decision" and r.exc_info]
+    assert [type(r.exc_info[1]) for r in traced if r.exc_info] == [TimeoutError, RuntimeError]
