@@ -68,6 +68,7 @@ def _admin_token(settings: Settings) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
     from shared.servers import LOCAL_RUN_NATS_FILE, EmbeddedNats, EmbeddedPostgres
 
@@ -91,6 +92,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             # For the one-shot commands (`dlq`, `bus init`); a NATS_URL given to `up` is the operator's to share.
             noted_nats = settings.data_dir / LOCAL_RUN_NATS_FILE
             noted_nats.write_text(env["NATS_URL"])
+            refused = lay_out_for_the_local_run(env["NATS_URL"], settings)
+            if refused:
+                print(f"memories up: {refused}", file=sys.stderr)
+                return 1
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
         env["MEMORIES_HOST"] = args.host or settings.memories_host
         env["MEMORIES_PORT"] = str(args.port or settings.memories_port)

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from shared import bus
 from shared.servers import NATS_URL_MISSING, nats_url_for
-from shared.settings import get_settings
+from shared.settings import Settings, get_settings
 
 T = TypeVar("T")
 
@@ -66,6 +66,30 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
         raise SystemExit(1) from None
 
 
+def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
+    """What `memories up` does with the NATS it started, before it starts any service: nothing publishes or consumes
+    yet, the one moment a changed MEMORIES_PARTITIONS can be applied (as `bus init` would) and the partitions it
+    drops pruned. The refusal, when writes of the old count are still queued; None once laid out."""
+
+    async def apply() -> None:
+        nc = await bus.connect(nats_url, name="memories-up", one_shot=True)
+        try:
+            js = nc.jetstream()
+            await bus.ensure_layout(js, settings, sets_partitions=True)
+            await bus.prune_consumers(js, settings)
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(apply())
+    except bus.PartitionCountMismatch as exc:
+        return (
+            f"{exc}: start `memories up` once with the count it had, so that its writer decides them, then with "
+            "the new one"
+        )
+    return None
+
+
 def cmd_bus_init(_args: argparse.Namespace) -> int:
     settings = get_settings()
 
@@ -90,11 +114,12 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
         return 2
     laid_out = "not laid out yet" if status.partitions is None else f"laid out for {status.partitions} partitions"
     print(f"{bus.WRITES_STREAM}: {laid_out}, {status.queued_writes} writes queued")
-    print(f"{'STREAM':16}  {'CONSUMER':24}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}  NOTE")
+    width = max([len("CONSUMER"), *(len(state.consumer) for state in status.consumers)])
+    print(f"{'STREAM':16}  {'CONSUMER':{width}}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}  NOTE")
     notes = {"layout": "", "stale": "a partition beyond the count: `memories bus prune`", "other": "not the service's"}
     for state in status.consumers:
         counts = f"{state.pending:>8}  {state.in_flight:>9}  {state.redelivered:>11}"
-        print(f"{state.stream:16}  {state.consumer:24}  {counts}  {notes[state.role]}".rstrip())
+        print(f"{state.stream:16}  {state.consumer:{width}}  {counts}  {notes[state.role]}".rstrip())
     return 0
 
 

@@ -281,6 +281,14 @@ async def _check_partitions(js: JetStreamContext, settings: Settings, *, sets_pa
             f"the partition count cannot change from {recorded} to {settings.memories_partitions} while "
             f"{queued} writes are queued in {WRITES_STREAM}: stop the publishers and let the writers drain it first"
         )
+    # An empty queue is a moment, not a drained system: writers still pulling mean their publishers may run too.
+    pulled = [info.name for info in await js.consumers_info(WRITES_STREAM) if info.num_waiting]
+    if pulled:
+        raise PartitionCountMismatch(
+            f"the partition count cannot change from {recorded} to {settings.memories_partitions} while writers "
+            f"still consume ({', '.join(sorted(pulled, key=_listing_order))}): stop the publishers, let the writers "
+            "drain, stop them, then apply the count (docs/operations.md)"
+        )
     log.warning("partition count changed from %s to %s", recorded, settings.memories_partitions)
 
 
@@ -368,7 +376,8 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
     if status.partitions != settings.memories_partitions:
         raise PartitionCountMismatch(
             f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "
-            f"{settings.memories_partitions} here: nothing pruned (apply the count with `memories bus init` first)"
+            f"{settings.memories_partitions} here: nothing pruned (prune with MEMORIES_PARTITIONS={status.partitions};"
+            " to change the count, follow docs/operations.md)"
         )
     deleted, busy = [], []
     for state in status.consumers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
 from pathlib import Path
@@ -101,6 +102,16 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
             with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):
                 await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
             await js.purge_stream(bus.WRITES_STREAM)
+            # Drained for a moment, with a writer still pulling: its publishers may be running too, and what they
+            # publish next would land on a partition of the old count, beyond the new one.
+            pull = {"batch": 1, "expires": 1_000_000_000, "group": bus.WRITERS_GROUP}
+            puller = await nc.subscribe(nc.new_inbox())  # a pull whose reply subject no one hears is dropped
+            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.{bus.writer_durable(5)}",
+                             json.dumps(pull).encode(), reply=puller.subject)
+            await nc.flush()
+            with pytest.raises(bus.PartitionCountMismatch, match=r"writers still consume \(writer-p5\)"):
+                await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
+            await asyncio.sleep(1.5)  # the pull expired: no writer consumes
             await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
             assert await bus.recorded_partitions(js) == 4
         finally:
@@ -112,3 +123,31 @@ async def test_a_one_shot_command_that_cannot_reach_nats_does_not_print_its_pass
     with pytest.raises(bus.BusUnreachable) as unreachable:
         await bus.connect(url, name="test", one_shot=True)
     assert "S3cretNatsPw" not in str(unreachable.value) and "127.0.0.1:1" in str(unreachable.value)
+
+
+def test_the_local_run_applies_a_changed_partition_count_before_its_services_start(tmp_path: Path) -> None:
+    # `memories up` owns its NATS, and nothing publishes or consumes before it starts its services: the one safe
+    # moment to change the count. (A local run had no way to: `bus init` needs the NATS that only `up` starts, and
+    # the services refused the new count.)
+    from services.cli_bus import lay_out_for_the_local_run
+
+    async def layout_of(url: str, queue_a_write: bool = False) -> tuple[int | None, list[str]]:
+        nc = await bus.connect(url, name="test-local-run")
+        try:
+            js = nc.jetstream()
+            if queue_a_write:
+                await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.2.mem_queued", b"{}", stream=bus.WRITES_STREAM)
+            writers = [info.name for info in await js.consumers_info(bus.WRITES_STREAM)]
+            return await bus.recorded_partitions(js), sorted(writers)
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        assert lay_out_for_the_local_run(server.url, Settings(memories_partitions=8)) is None
+        assert lay_out_for_the_local_run(server.url, Settings(memories_partitions=4)) is None
+        assert asyncio.run(layout_of(server.url)) == (4, sorted(bus.writer_durable(p) for p in range(4)))
+        asyncio.run(layout_of(server.url, queue_a_write=True))  # a write of the old count, not decided yet
+        refused = lay_out_for_the_local_run(server.url, Settings(memories_partitions=6))
+        assert refused is not None and "1 writes are queued" in refused and "once with the count it had" in refused
+        assert lay_out_for_the_local_run(server.url, Settings(memories_partitions=4)) is None  # as it was: it starts
+        assert asyncio.run(layout_of(server.url))[0] == 4

@@ -404,9 +404,13 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         assert status.returncode == 0 and stale == [bus.writer_durable(p) for p in range(partitions // 2, partitions)]
         assert f"laid out for {half} partitions" in status.stdout
         assert any("crm-sync" in line and "not the service's" in line for line in status.stdout.splitlines())
+        header, *rows = status.stdout.splitlines()[1:]
+        end = header.index("PENDING") + len("PENDING")
+        assert all(row[end - 1].isdigit() and row[end] == " " for row in rows), status.stdout  # no row shifted by a long name
         # Run with another count than the bus is laid out for (a shell's default, a typo): nothing is deleted.
         refused = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4))
         assert refused.returncode == 1 and f"laid out for {half} partitions" in refused.stderr
+        assert f"prune with MEMORIES_PARTITIONS={half}" in refused.stderr  # not "apply the count", which would change it
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
         waiting = bus.writer_durable(partitions - 1)
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
