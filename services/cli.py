@@ -279,8 +279,14 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
     """A service's event loop: uvloop, as uvicorn picks for the API (less CPU per socket event); its exit status."""
     import uvloop
 
+    from shared.bus import PartitionCountMismatch
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+        try:
+            return runner.run(main)
+        except PartitionCountMismatch as exc:  # configured unlike the bus: what to change, not a traceback
+            log.critical("%s", exc)
+            return 1
 
 
 def _missing_servers(settings: Settings, command: str, *, bus: bool = True) -> bool:

@@ -354,11 +354,16 @@ def run_bus_init(nats_url: str, **overrides: str) -> subprocess.CompletedProcess
 
 
 def run_bus(command: str, nats_url: str, **overrides: str) -> subprocess.CompletedProcess[str]:
+    return run_memories(["bus", command], nats_url, **overrides)
+
+
+def run_memories(arguments: list[str], nats_url: str, **overrides: str) -> subprocess.CompletedProcess[str]:
+    """`memories …` configured as compose configures its services, with `overrides`."""
     environment = {name: str(value) for name, value in compose()["x-memories-env"].items()}
     environment.update(NATS_URL=nats_url, **overrides)
     env = {key: value for key, value in os.environ.items() if key.upper() not in SETTING_NAMES} | environment
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "bus", command],
+        [sys.executable, "-m", "services.cli", *arguments],
         check=False,
         env=env,
         capture_output=True,
@@ -411,6 +416,11 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         refused = run_bus("prune", nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4))
         assert refused.returncode == 1 and f"laid out for {half} partitions" in refused.stderr
         assert f"prune with MEMORIES_PARTITIONS={half}" in refused.stderr  # not "apply the count", which would change it
+        # A service configured for another count refuses to start in one line, not a traceback of 35.
+        extractor = run_memories(["extractor"], nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4),
+                                 DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none")
+        assert extractor.returncode == 1 and f"laid out for {half} partitions" in extractor.stderr, extractor.stderr
+        assert "Traceback" not in extractor.stderr, extractor.stderr
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
         waiting = bus.writer_durable(partitions - 1)
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
