@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from shared.client import (
     UNSET,
     AsyncMemoriesClient,
+    ConnectionFailed,
     InvalidRequest,
     MemoriesClient,
     MemoriesError,
@@ -263,7 +264,8 @@ def create_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
     if args.json or written.entry is None:
         show(written, args)
     else:
-        print(f"{written.action}: {written.entry.id}  (write {written.write_id})")
+        replayed = ", a replay of an earlier write with this key: nothing written now" if written.replayed else ""
+        print(f"{written.action}: {written.entry.id}  (write {written.write_id}{replayed})")
 
 
 def search(client: MemoriesClient, args: argparse.Namespace) -> None:
@@ -358,9 +360,9 @@ def run_import(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
-    # A byte order mark, as some editors write, is not part of line 1. Bytes that are no UTF-8 are kept as lone
-    # surrogates, so that the line holding them fails alone (parse_lines), not the whole file.
-    text = data.decode("utf-8-sig", errors="surrogateescape")
+    # Bytes that are no UTF-8 are kept as lone surrogates, so that the line holding them fails alone
+    # (parse_lines), not the whole file.
+    text = data.decode("utf-8", errors="surrogateescape")
     summary = ImportSummary()
     lines = parse_lines(text, summary, earlier_digest=file_digest(data))
     bar = ProgressBar()
@@ -378,6 +380,15 @@ def run_import(args: argparse.Namespace) -> int:
             "interrupted: run the same import again to finish it (nothing is written twice)", file=sys.stderr
         )
         return 130
+    except ConnectionFailed as error:  # not one failure per line: every line left would fail alike
+        bar.update(summary, final=True)
+        report(error)
+        print(
+            f"stopped after {summary.done} of {summary.total} lines: run the same import again once the service "
+            "can be reached (nothing is written twice)",
+            file=sys.stderr,
+        )
+        return 1
     bar.update(summary, final=True)
     for number, reason in summary.listed_failures:
         print(f"line {number}: {reason}", file=sys.stderr)

@@ -45,6 +45,10 @@ def new_write_id() -> str:
     return WRITE_PREFIX + uuid.uuid4().hex
 
 
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+"""What an Idempotency-Key may be: 1 to 255 visible ASCII characters (a header value, stored with the write)."""
+
+
 def keyed_write_id(project_id: str, idempotency_key: str) -> str:
     """The same client key in the same project always names the same write; other projects cannot collide."""
     digest = hashlib.sha256(f"{project_id}\x00{idempotency_key}".encode()).hexdigest()

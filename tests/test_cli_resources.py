@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from services.cli import main
 from services.cli_resources import display_width, print_table
 from shared import repository as repo
 from shared.client import AsyncMemoriesClient
-from shared.client.bulk import file_digest
+from shared.client.bulk import ImportSummary, ProgressBar, file_digest, parse_lines
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings, get_settings
 from tests.conftest import ADMIN_TOKEN
@@ -148,7 +149,7 @@ async def test_entry_verbs(cli: Cli, memory_id: str) -> None:
     entry = first["entry"]
     assert entry["tags"] == ["role:traffic-manager"] and entry["metadata"] == {"evidence": "high"}
     code, out, _ = await cli("create-memory-entry", "--memory-id", memory_id, "--content", content.lower())
-    assert code == 0 and out.startswith(f"skipped: {entry['id']}")
+    assert code == 0 and out.startswith(f"skipped: {entry['id']}") and "replay" not in out
     keyed = [
         "create-memory-entry",
         "--memory-id",
@@ -159,6 +160,8 @@ async def test_entry_verbs(cli: Cli, memory_id: str) -> None:
         "cli-key-1",
     ]
     assert (await cli.json(*keyed))["write_id"] == (await cli.json(*keyed))["write_id"]
+    code, out, _ = await cli(*keyed)  # the table says so too, not only --json's "replayed"
+    assert code == 0 and out.startswith("created: ") and "a replay of an earlier write" in out
 
     code, _, err = await cli(
         "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--duplicate-threshold", "1.5"
@@ -247,8 +250,12 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
     code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--metadata", '{"a": NaN}')
     assert code == 2 and "NaN is not a JSON number" in err
     # Refused by the client before anything is sent: a header value that is not ASCII, an empty id.
-    code, _, err = await cli("create-memory-entry", "--memory-id", memory_id, "--content", "x", "--idempotency-key", "ключ")
-    assert code == 2 and "INVALID_REQUEST" in err
+    # Any key the service would refuse, not only one that cannot be sent: "" and "a b" were its 400s (exit 1).
+    for key in ("ключ", "clé", "", "a b"):
+        code, _, err = await cli(
+            "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--idempotency-key", key
+        )
+        assert code == 2 and "INVALID_REQUEST: an Idempotency-Key must be 1 to 255 visible ASCII" in err, (key, err)
     code, _, err = await cli("get-memory", "")
     assert code == 2 and "INVALID_REQUEST" in err
     assert (await cli.json("list-memory-entries", "--memory-id", memory_id))["total"] == 0
@@ -275,7 +282,8 @@ async def test_import_twice_writes_nothing_twice(
 
     code, out, err = await cli("import", str(source))
     assert code == 0, err
-    assert out.strip() == "5 lines: 4 created, 1 skipped (0 already imported), 0 failed"
+    # The blank line is not counted, and said so: the failures' numbers count it (the file's line numbers).
+    assert out.strip() == "5 lines: 4 created, 1 skipped (0 already imported), 0 failed; 1 blank line ignored"
     assert "\r[" in err and f"[{'#' * 30}] 5/5  created 4  skipped 1  failed 0" in err
 
     code, out, err = await cli("import", str(source), "--json")
@@ -378,6 +386,57 @@ async def test_failures_past_the_listed_ones_are_counted(cli: Cli, memory_id: st
     assert code == 1 and summary["failed"] == 150 and summary["failures_not_listed"] == 50
     assert [f["line"] for f in summary["failures"]] == list(range(1, 101))
     assert "… and 50 more failed lines, not listed" in err
+
+
+def test_the_lowest_numbered_failures_are_listed() -> None:
+    summary = ImportSummary()
+    for number in range(150, 0, -1):  # lines of concurrent memories fail out of order
+        summary.fail(number, "bad")
+    assert [number for number, _ in summary.listed_failures] == list(range(1, 101))
+    assert summary.unlisted_failures == 50
+
+
+async def test_an_unreachable_service_stops_the_import_at_once(cli: Cli, tmp_path: Path) -> None:
+    source = tmp_path / "many.jsonl"
+    source.write_text("".join(json.dumps({"memory_id": f"mem_{n}", "content": "x"}) + "\n" for n in range(150)))
+    code, out, err = await cli.raw("import", str(source), "--url", f"http://{LOOPBACK}:{free_port()}", "--token", "t")
+    # Was 100 "line N: CONNECTION_FAILED" and "… and 50 more failed lines".
+    assert code == 1 and out == "" and err.count("CONNECTION_FAILED") == 1, err
+    assert "stopped after 0 of 150 lines: run the same import again" in err and "line " not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "failures", "blank"),
+    [
+        ('{"content": "x"}', [(1, "missing fields: memory_id")], 0),  # was "memory_id and content must be strings"
+        ('{"memory_id": "m", "content": 5}', [(1, "content must be a string")], 0),
+        ('\ufeff{"memory_id": "m", "content": "x"}\n', [], 0),  # the byte order mark some editors write
+        (
+            '{"memory_id": "m", "content": "x"}\n\ufeff{"memory_id": "m", "content": "y"}',
+            [(2, "starts with a byte order mark (U+FEFF), as a file may: another file joined here?")],
+            0,
+        ),
+        ('\n  \n{"memory_id": "m", "content": "x"}\r\n', [], 2),  # the last line end starts no blank line
+        ("", [], 0),
+    ],
+)
+def test_import_lines_as_their_editor_numbers_them(text: str, failures: list[tuple[int, str]], blank: int) -> None:
+    summary = ImportSummary()
+    parse_lines(text, summary)
+    assert (summary.listed_failures, summary.blank) == (failures, blank)
+
+
+def test_the_progress_bar_is_drawn_once_per_change_within_80_columns() -> None:
+    drawn = io.StringIO()
+    bar, empty = ProgressBar(drawn), ImportSummary()
+    bar.update(empty)
+    bar.update(empty, final=True)
+    assert drawn.getvalue() == f"\r[{'#' * 30}] 0/0  created 0  skipped 0  failed 0\n"  # an empty file's, once
+    drawn = io.StringIO()
+    large = ImportSummary(total=999_999, counts=Counter(created=333_333, skipped=333_333, failed=333_333))
+    ProgressBar(drawn).update(large, final=True)
+    line = drawn.getvalue().strip("\r\n")
+    assert len(line) < 80 and line.endswith("] 999999/999999  created 333333  skipped 333333  failed 333333"), line
 
 
 async def test_import_reads_stdin_and_a_line_of_no_utf8_fails_alone(

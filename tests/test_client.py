@@ -307,6 +307,10 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
         lambda: memories.create_entry("mem_a", "x", tags={"a"}),  # type: ignore[arg-type]  # a set: no JSON
         lambda: memories.create_entry("mem_a", "x", metadata={"at": object()}),  # was httpx's TypeError
         lambda: memories.create_entry("mem_a", "x", idempotency_key="ключ"),  # no header value
+        # Keys the service would refuse with a 400: refused alike, not sent.
+        lambda: memories.create_entry("mem_a", "x", idempotency_key="a b"),
+        lambda: memories.create_entry("mem_a", "x", idempotency_key=""),
+        lambda: memories.create_entry("mem_a", "x", idempotency_key="k" * 256),
         lambda: memories.get_memory(""),  # "/memories/" is the list
         lambda: MemoriesClient("http://memories.test", "tökén"),
         lambda: MemoriesClient("http://[::1"),
@@ -318,6 +322,9 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
             with pytest.raises(InvalidRequest) as refused:
                 attempt()
             assert refused.value.status is None and refused.value.code == "INVALID_REQUEST"
+        with pytest.raises(InvalidRequest) as accented:  # was the codec's "'ascii' codec can't encode …"
+            memories.create_entry("mem_a", "x", idempotency_key="clé")
+        assert "Idempotency-Key must be 1 to 255 visible ASCII characters" in accented.value.message
     assert sent == []  # the mocked transport's cases never reached it
 
 

@@ -28,6 +28,7 @@ from shared.client.models import (
     WriteStatus,
 )
 from shared.events import SourceType, WriteAction, WritePolicy
+from shared.ids import IDEMPOTENCY_KEY
 
 Json = Mapping[str, Any]
 
@@ -37,6 +38,16 @@ def _id(value: str) -> str:
         raise InvalidRequest(None, "INVALID_REQUEST", "an id must not be empty")
     # An id is one path segment, whatever a caller passes: `../projects` must not reach another route.
     return quote(value, safe="")
+
+
+def _idempotency_key(value: str) -> str:
+    # The service's rule, checked here too, so that a key it would refuse is refused the same way whether or not it
+    # could be sent: a non-ASCII one cannot (a codec error from inside httpx), one with a space could (a 400).
+    if not IDEMPOTENCY_KEY.fullmatch(value):
+        raise InvalidRequest(
+            None, "INVALID_REQUEST", "an Idempotency-Key must be 1 to 255 visible ASCII characters (no space, no accent)"
+        )
+    return value
 
 
 # Projects (admin token) ---------------------------------------------------------------------------
@@ -139,7 +150,7 @@ def create_entry(
         duplicate_threshold=duplicate_threshold,
         write_policy=write_policy,
     )
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else {}
+    headers = {"Idempotency-Key": _idempotency_key(idempotency_key)} if idempotency_key is not None else {}
     return Call("POST", "/memory-entries", _entry_write, body=body, headers=headers)
 
 

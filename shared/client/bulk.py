@@ -11,6 +11,7 @@ different memories are written concurrently.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import json
 import re
@@ -22,13 +23,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from shared.client._clients import AsyncMemoriesClient
-from shared.client.errors import Forbidden, MemoriesError, NotFound
+from shared.client.errors import ConnectionFailed, Forbidden, MemoriesError, NotFound, TimedOut
 from shared.ids import keyed_write_id
 
 LINE_FIELDS = frozenset({"memory_id", "content", "tags", "metadata", "idempotency_key"})
 MAX_REPORTED_FAILURES = 100
 MAIN_OUTCOMES = ("created", "skipped", "failed")  # always reported, even when 0
 _BAR_WIDTH = 30
+_LINE_WIDTH = 79  # a terminal's 80 columns: a line that fills the last one wraps on some terminals
 
 
 class BadLine(Exception):
@@ -49,12 +51,15 @@ class ImportLine:
 
 @dataclass
 class ImportSummary:
-    """`counts` by outcome: created, skipped (also the already imported), updated, superseded, pending, failed."""
+    """`counts` by outcome: created, skipped (also the already imported), updated, superseded, pending, failed.
+    `total` counts the lines to import, not the blank ones (`blank`); a line's number is the file's, blank
+    lines included, as its editor shows it."""
 
     total: int = 0
+    blank: int = 0
     counts: Counter[str] = field(default_factory=Counter)
     already_imported: int = 0
-    failures: list[tuple[int, str]] = field(default_factory=list)
+    failures: list[tuple[int, str]] = field(default_factory=list)  # the lowest-numbered ones, in line order
     pending: list[tuple[int, str]] = field(default_factory=list)  # (line, write id) of writes not decided in time
 
     @property
@@ -63,8 +68,9 @@ class ImportSummary:
 
     def fail(self, number: int, reason: str) -> None:
         self.counts["failed"] += 1
-        if len(self.failures) < MAX_REPORTED_FAILURES:
-            self.failures.append((number, reason))
+        # Memories are written concurrently, so lines fail out of order: the first met are not the first lines.
+        bisect.insort(self.failures, (number, reason))
+        del self.failures[MAX_REPORTED_FAILURES:]
 
     def describe(self) -> str:
         others = "".join(f", {n} {name}" for name, n in self.counts.items() if name not in MAIN_OUTCOMES)
@@ -72,12 +78,13 @@ class ImportSummary:
             f"{self.total} line{'' if self.total == 1 else 's'}: {self.counts['created']} created, "
             f"{self.counts['skipped']} skipped "
             f"({self.already_imported} already imported){others}, {self.counts['failed']} failed"
+            + (f"; {self.blank} blank line{'' if self.blank == 1 else 's'} ignored" if self.blank else "")
         )
 
     @property
     def listed_failures(self) -> list[tuple[int, str]]:
-        """The first MAX_REPORTED_FAILURES failures met, by line number."""
-        return sorted(self.failures)
+        """The MAX_REPORTED_FAILURES lowest-numbered failures, by line number."""
+        return self.failures
 
     @property
     def unlisted_failures(self) -> int:
@@ -88,6 +95,7 @@ class ImportSummary:
         failures = [{"line": number, "error": reason} for number, reason in self.listed_failures]
         return {
             "lines": self.total,
+            "blank_lines": self.blank,
             **counts,
             "already_imported": self.already_imported,
             "failures": failures,
@@ -120,15 +128,20 @@ _UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 def parse_lines(text: str, summary: ImportSummary, earlier_digest: str | None = None) -> list[ImportLine]:
-    """The importable lines; a malformed one is counted as failed with its reason. Blank lines are ignored.
+    """The importable lines; a malformed one is counted as failed with its reason. Blank lines are counted
+    apart and ignored.
 
     Lines end at "\n" (a "\r" before it is dropped) and nowhere else: U+2028, U+0085 and the like may stand
-    unescaped inside a JSON string, and a file's line numbers are what its editor shows."""
+    unescaped inside a JSON string, and a file's line numbers are what its editor shows. A byte order mark, as
+    some editors write, starts the file, not its first line."""
     lines: list[ImportLine] = []
     seen: Counter[str] = Counter()  # identical lines so far, by their key's digest
-    for number, raw in enumerate(text.split("\n"), start=1):
+    text = text.removeprefix("\ufeff")
+    # The last line's end starts no line after it; an empty file has none.
+    for number, raw in enumerate(text.removesuffix("\n").split("\n") if text else [], start=1):
         raw = raw.removesuffix("\r")
         if not raw.strip():
+            summary.blank += 1
             continue
         summary.total += 1
         try:
@@ -145,6 +158,8 @@ def parse_lines(text: str, summary: ImportSummary, earlier_digest: str | None = 
 def _parse(number: int, raw: str, seen: Counter[str]) -> ImportLine:
     if _UNDECODED.search(raw):
         raise BadLine("not UTF-8 text")
+    if raw.startswith("\ufeff"):  # JSON's own message asks to "decode using utf-8-sig"
+        raise BadLine("starts with a byte order mark (U+FEFF), as a file may: another file joined here?")
     try:
         value = strict_json(raw)
     except json.JSONDecodeError as exc:
@@ -155,9 +170,12 @@ def _parse(number: int, raw: str, seen: Counter[str]) -> ImportLine:
         raise BadLine("not a JSON object")
     if unknown := sorted(set(value) - LINE_FIELDS):
         raise BadLine(f"unknown fields: {', '.join(unknown)}")
-    memory_id, content = value.get("memory_id"), value.get("content")
-    if not isinstance(memory_id, str) or not isinstance(content, str):
-        raise BadLine("memory_id and content must be strings")
+    if missing := [name for name in ("memory_id", "content") if name not in value]:
+        raise BadLine(f"missing fields: {', '.join(missing)}")
+    memory_id, content = value["memory_id"], value["content"]
+    for name, given in (("memory_id", memory_id), ("content", content)):
+        if not isinstance(given, str):
+            raise BadLine(f"{name} must be a string")
     tags, metadata = value.get("tags"), value.get("metadata")
     if tags is not None and not (isinstance(tags, list) and all(isinstance(tag, str) for tag in tags)):
         raise BadLine("tags must be a list of strings")
@@ -188,6 +206,8 @@ async def import_lines(
     concurrency: int = 4,
     on_progress: Callable[[ImportSummary], None] = lambda _summary: None,
 ) -> ImportSummary:
+    """Raises ConnectionFailed, the lines not yet written left untried, when the service cannot be reached: no
+    line would get through, and each would fail for the same reason."""
     by_memory: dict[str, list[ImportLine]] = {}
     for line in lines:
         by_memory.setdefault(line.memory_id, []).append(line)
@@ -201,6 +221,8 @@ async def import_lines(
         except Forbidden:
             pass
         except MemoriesError as exc:
+            if _unreachable(exc):
+                raise
             for line in batch:
                 summary.fail(line.number, _reason(exc))
             on_progress(summary)
@@ -211,8 +233,19 @@ async def import_lines(
             on_progress(summary)
 
     on_progress(summary)
-    await asyncio.gather(*(write_memory_lines(memory_id, batch) for memory_id, batch in by_memory.items()))
+    try:
+        async with asyncio.TaskGroup() as writers:  # the first to lose the service stops the others
+            for memory_id, batch in by_memory.items():
+                writers.create_task(write_memory_lines(memory_id, batch))
+    except* ConnectionFailed as lost:
+        raise lost.exceptions[0] from None
     return summary
+
+
+def _unreachable(error: MemoriesError) -> bool:
+    """No connection to the service: not a line's failure. A timeout is one: the service is there, and the
+    line's write may have been applied."""
+    return isinstance(error, ConnectionFailed) and not isinstance(error, TimedOut)
 
 
 async def _write(
@@ -240,6 +273,8 @@ async def _write(
             idempotency_key=line.idempotency_key,
         )
     except MemoriesError as exc:
+        if _unreachable(exc):
+            raise
         if exc.replayed and exc.status == 409 and "write_id" in exc.meta:
             # Imported before, its entry deleted since (a key that may not read learns it only now): not a failure.
             summary.counts["skipped"] += 1
@@ -286,14 +321,22 @@ class ProgressBar:
         self._stream = stream or sys.stderr
         self._interval = 0.1 if self._stream.isatty() else 1.0
         self._drawn_at = 0.0
+        self._drawn = ""
 
     def update(self, summary: ImportSummary, final: bool = False) -> None:
         now = time.monotonic()
         if not final and now - self._drawn_at < self._interval:
             return
         self._drawn_at = now
-        filled = _BAR_WIDTH * summary.done // summary.total if summary.total else _BAR_WIDTH
         counts = "  ".join(f"{name} {summary.counts[name]}" for name in MAIN_OUTCOMES)
-        bar = f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {summary.done}/{summary.total}  {counts}"
-        self._stream.write(f"\r{bar}" + ("\n" if final else ""))
+        numbers = f"{summary.done}/{summary.total}  {counts}"
+        # Narrower as the counts grow longer (the line only grows, so a redraw leaves nothing of the last one).
+        width = max(min(_BAR_WIDTH, _LINE_WIDTH - len(numbers) - len("[] ")), 0)
+        filled = width * summary.done // summary.total if summary.total else width
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {numbers}"
+        if bar != self._drawn:  # the same bar again (an empty file's 0/0) is not drawn twice
+            self._stream.write(f"\r{bar}")
+            self._drawn = bar
+        if final:
+            self._stream.write("\n")
         self._stream.flush()

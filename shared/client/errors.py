@@ -66,8 +66,8 @@ class TimedOut(ConnectionFailed):
 
 class InvalidRequest(MemoriesError):
     """Nothing was sent: the request cannot be sent as given (a number JSON cannot carry, NaN or Infinity; a
-    header value, such as a token or an Idempotency-Key, that is not visible ASCII; a malformed URL; an
-    empty id)."""
+    token that is not visible ASCII; an Idempotency-Key that is not 1 to 255 visible ASCII characters, which the
+    service would refuse; a malformed URL; an empty id)."""
 
 
 _BY_STATUS: dict[int, type[MemoriesError]] = {

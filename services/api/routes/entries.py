@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -27,14 +26,21 @@ from shared.events import (
     WriteAction,
 )
 from shared.guard import content_hash
-from shared.ids import ENTRY_PREFIX, EVENT_PREFIX, is_valid_id, keyed_write_id, new_id, new_write_id
+from shared.ids import (
+    ENTRY_PREFIX,
+    EVENT_PREFIX,
+    IDEMPOTENCY_KEY,
+    is_valid_id,
+    keyed_write_id,
+    new_id,
+    new_write_id,
+)
 from shared.repository import HistoryRow
 from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
-_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 
 
 async def load_entry(session: AsyncSession, principal_scope: str | None, entry_id: str) -> MemoryEntry:
@@ -110,7 +116,7 @@ def write_id_for(project_id: str, idempotency_key: str | None, request: Request)
     if len(request.headers.getlist("idempotency-key")) > 1:  # FastAPI hands the route the first
         raise invalid("Idempotency-Key is given more than once: which one names the write cannot be told",
                       "Idempotency-Key")
-    if not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+    if not IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         raise invalid("Idempotency-Key must be 1..255 visible ASCII characters", "Idempotency-Key")
     return keyed_write_id(project_id, idempotency_key)
 
