@@ -500,12 +500,22 @@ def redacted_servers(url: str) -> str:
     return ",".join(redact_address(s if "://" in s else f"nats://{s}") for s in url.split(","))
 
 
+_OUTAGE_SQLSTATES = ("08", "53", "57P")
+"""PostgreSQL's errors of an outage: the connection's (class 08), the server out of resources (53: too many
+connections, disk full, out of memory), the server shutting down or starting (57P01…). Its other "operational"
+errors are the statement's own (57014 a statement timeout, 54000 a limit, 40P01 a deadlock): retried as any
+failure, then dead-lettered, not waited out for ever with the partition held behind them."""
+
+
 def is_outage(exc: BaseException) -> bool:
     """The database or the bus is unreachable: retry for as long as it takes, never dead-letter for it."""
     from sqlalchemy.exc import DBAPIError, OperationalError
     from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-    if isinstance(exc, OperationalError | PoolTimeout | OSError | TimeoutError | ConnectionError):
+    if isinstance(exc, OperationalError):
+        sqlstate = getattr(exc.orig, "sqlstate", None)  # none: the driver's own, as "connection refused"
+        return sqlstate is None or sqlstate.startswith(_OUTAGE_SQLSTATES)
+    if isinstance(exc, PoolTimeout | OSError | TimeoutError | ConnectionError):
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True

@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import nats.errors
+import psycopg.errors
 import pytest
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -36,6 +37,13 @@ def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
     ("error", "outage"),
     [
         (OperationalError("SELECT 1", {}, Exception("connection refused")), True),
+        (OperationalError("SELECT 1", {}, psycopg.errors.AdminShutdown("terminating connection")), True),
+        (OperationalError("SELECT 1", {}, psycopg.errors.TooManyConnections("too many clients")), True),
+        (OperationalError("SELECT 1", {}, psycopg.errors.ConnectionFailure("connection failure")), True),
+        # The statement's own failure, not the database's: a statement timeout on a query that always takes too
+        # long would hold its partition for ever.
+        (OperationalError("SELECT 1", {}, psycopg.errors.QueryCanceled("statement timeout")), False),
+        (OperationalError("SELECT 1", {}, psycopg.errors.ProgramLimitExceeded("index row too large")), False),
         (DBAPIError("SELECT 1", {}, Exception("server closed"), connection_invalidated=True), True),
         (ConnectionRefusedError(), True),
         (TimeoutError(), True),
