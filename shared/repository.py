@@ -642,10 +642,13 @@ async def clear_provenance(
         return 0
     if len(value) <= _REFERENCE_MAX_CHARS:  # a longer one no entry can hold
         # Of an existing project only: a deletion event of a project deleted since must not fail for ever.
-        # clock_timestamp(), not now(): the moment the lock was granted, after every write that held it.
+        # clock_timestamp(), not now(): the moment the lock was granted, after every write that held it. Never
+        # before the deletion's own time, which another clock stamped (the platform's, NATS'): running ahead, it
+        # would make this forgetting look older than its deletion, and the deletion delivered again unapplied.
+        moment = func.clock_timestamp() if deleted_at is None else func.greatest(func.clock_timestamp(), deleted_at)
         forgetting = insert(ForgottenProvenance).from_select(
             ["project_id", "kind", "reference", "forgotten_at"],
-            select(literal(project_id), literal(kind), literal(value), func.clock_timestamp()).where(
+            select(literal(project_id), literal(kind), literal(value), moment).where(
                 select(Project.id).where(Project.id == project_id).exists()
             ),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -589,6 +590,28 @@ async def test_a_conversation_deletion_delivered_again_clears_no_citation_made_s
         assert await cited(after) is None
     finally:
         await nc.close()
+
+
+async def test_a_deletion_stamped_by_a_clock_ahead_of_the_databases_is_still_seen_as_applied(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A deletion's time comes from the platform or NATS, the forgetting's from PostgreSQL. Stamped 0.5 s ahead and
+    # delivered again (its ack lost), it looked newer than the forgetting it made, and cleared what cited the
+    # conversation since.
+    project, applier = memory["project_id"], WriteApplier(sessions, local_embed, LOCAL_MODEL)
+    stamped = utcnow() + timedelta(seconds=0.5)
+
+    async def forget() -> int:
+        async with sessions.begin() as session:
+            return await repo.clear_provenance(session, project, conversation_id="conv_skewed", deleted_at=stamped)
+
+    await forget()
+    await asyncio.sleep(0.6)  # the conversation goes on after "clear history", past the skew
+    write = MemoryWriteRequested(event_id=new_write_id(), project_id=project, memory_id=memory["id"],
+                                 content="The user asked about invoices", source_conversation_id="conv_skewed")
+    entry_id = (await applier.apply(write)).outcome.entry_id or ""
+    assert await forget() == 0  # delivered again: applied already
+    assert (await get_entry(client, entry_id))["source_conversation_id"] == "conv_skewed"
 
 
 async def test_a_forgotten_generation_stays_forgotten_even_for_a_later_write(
