@@ -7,7 +7,8 @@ has one effect.
 
 A partition's queued events are applied as a batch (`prepare`, then `decide`, driven by the writer): one query
 finds the exact copies, one model call embeds the rest, and one transaction decides them in order, so the serial
-part of a write is its lookup, decision and insert. `apply` and `apply_batch` do both steps in one call.
+part of a write is its lookup, decision and insert. `apply` and `apply_batch` do both steps in one call (the
+tests decide writes so, without a writer).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class WriteApplier:
                     return decided
                 await self._store(session, [decided])
                 return decided.applied
-        except EmbeddingError as exc:  # the copy seen before the lock had gone, and the embedder is down
+        except EmbeddingError as exc:  # a model's rewrite checked or embedded, or an exact copy gone since: embedder down
             return await self.record_failure(prepared.event, "EMBEDDING_UNAVAILABLE", str(exc))
 
     async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Deferred | Exception]:

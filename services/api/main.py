@@ -47,16 +47,16 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert settings.database_url and settings.nats_url, "resolve the servers before building the app"
-        # No ping per checkout (a round trip on each of a write's two): after a database restart the first
-        # query on a dropped connection fails (503) and invalidates the whole pool, so the next one reconnects.
-        # A request waits for a memory's lock (a writer deciding, maybe with a slow model) no longer than for a
-        # write, and is then told to retry: a 503, not a connection held for minutes.
         # litellm's imports and the in-process model: seconds that the first search or edit would otherwise spend
         # on the event loop, every other request of the process (health probes too) waiting behind them.
         try:
             await asyncio.to_thread(preload, settings.embedding_model)
         except EmbeddingError as exc:  # what needs no embedding still serves
             log.error("%s: searches and edits of content answer 503", exc)
+        # No ping per checkout (a round trip on each of a write's two): after a database restart the first
+        # query on a dropped connection fails (503) and invalidates the whole pool, so the next one reconnects.
+        # A request waits for a memory's lock (a writer deciding, maybe with a slow model) no longer than for a
+        # write, and is then told to retry: a 503, not a connection held for minutes.
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
         nc = await bus.connect(settings.nats_url, name="memories-api")
         await bus.ensure_layout(nc.jetstream(), settings)
