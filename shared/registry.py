@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from shared.db.models import AiProvider, GenerationExtraction, LlmUsage, ModelRoute, ProjectSettings
 from shared.ids import new_id
 from shared.providers import Provider
+from shared.repository import visible
 
 if TYPE_CHECKING:
     from shared.extraction import ExtractionResult
@@ -37,8 +38,7 @@ async def list_providers(session: AsyncSession, project_id: str) -> list[AiProvi
 
 
 async def get_provider(session: AsyncSession, project_id: str | None, provider_id: str) -> AiProvider | None:
-    provider = await session.get(AiProvider, provider_id)
-    return provider if provider is not None and project_id in (None, provider.project_id) else None
+    return visible(await session.get(AiProvider, provider_id), project_id)
 
 
 async def delete_provider(session: AsyncSession, provider: AiProvider) -> None:
@@ -59,8 +59,7 @@ async def list_routes(session: AsyncSession, project_id: str) -> list[ModelRoute
 
 
 async def get_route(session: AsyncSession, project_id: str | None, route_id: str) -> ModelRoute | None:
-    route = await session.get(ModelRoute, route_id)
-    return route if route is not None and project_id in (None, route.project_id) else None
+    return visible(await session.get(ModelRoute, route_id), project_id)
 
 
 async def delete_route(session: AsyncSession, route: ModelRoute) -> None:

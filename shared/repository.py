@@ -132,7 +132,7 @@ async def create_memory(
     return memory
 
 
-def _visible(row: Any, project_id: str | None) -> Any:
+def visible(row: Any, project_id: str | None) -> Any:
     """A row of another project is as good as absent (None scope: the admin sees every project)."""
     return row if row is not None and project_id in (None, row.project_id) else None
 
@@ -144,13 +144,13 @@ async def get_memory(
     decisions and entry edits wait) and then its row (other edits and deletes of the memory wait), in the
     writer's order; one that finds it deleted meanwhile sees it gone."""
     if not for_change:
-        return _visible(await session.get(Memory, memory_id), project_id)
+        return visible(await session.get(Memory, memory_id), project_id)
     if project_id is not None and await get_memory_project(session, memory_id) != project_id:
         # Told before the lock is waited for: another project's busy memory must not be a wait and a 503
         # where an absent one is a 404 (a memory never changes project).
         return None
     await lock_memory(session, memory_id)
-    return _visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
+    return visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
 
 
 _SELECT_MEMORY_PROJECT = select(Memory.project_id).where(Memory.id == bindparam("id"))
@@ -190,7 +190,7 @@ async def delete_memory(session: AsyncSession, memory: Memory) -> None:
 
 
 async def get_entry(session: AsyncSession, project_id: str | None, entry_id: str) -> MemoryEntry | None:
-    return _visible(await session.get(MemoryEntry, entry_id), project_id)
+    return visible(await session.get(MemoryEntry, entry_id), project_id)
 
 
 async def list_entries(
@@ -371,7 +371,7 @@ async def get_write_outcome(session: AsyncSession, write_id: str) -> WriteOutcom
 async def get_write_outcome_for_project(
     session: AsyncSession, project_id: str | None, write_id: str
 ) -> WriteOutcome | None:
-    return _visible(await session.get(WriteOutcome, write_id), project_id)
+    return visible(await session.get(WriteOutcome, write_id), project_id)
 
 
 _SELECT_OUTCOMES = select(WriteOutcome.__table__).where(
