@@ -316,6 +316,16 @@ async def test_a_query_parameter_the_route_does_not_take_is_refused_not_ignored(
     ]
 
 
+async def test_a_404_does_not_echo_an_id_of_any_length(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # A 5,000-character id made a 5 KB message; an empty one read "memory  not found".
+    long = await client.get(f"/memories/{'m' * 5_000}")
+    assert_envelope(long, 404)
+    assert len(long.json()["error"]["message"]) < 120, long.json()
+    empty = await client.get("/memory-entries", params={"memory_id": ""})
+    assert_envelope(empty, 404)
+    assert empty.json()["error"]["message"] == "no memory has an empty id"
+
+
 async def test_a_validators_message_reaches_the_client_in_its_own_words(
     client: httpx.AsyncClient, memory: dict[str, Any]
 ) -> None:

@@ -65,8 +65,14 @@ def invalid(message: str, *fields: str, status: int = 400) -> ApiError:
     return ApiError(status, message, meta={"invalid_fields": [{"field": f, "message": message} for f in fields]})
 
 
+_ID_SHOWN_CHARS = 80  # ids are at most 64 characters: a longer one is not an id, and is not echoed whole
+
+
 def not_found(kind: str, identifier: str) -> ApiError:
-    return ApiError(404, f"{kind} {identifier} not found")
+    if not identifier:
+        return ApiError(404, f"no {kind} has an empty id")
+    shown = identifier if len(identifier) <= _ID_SHOWN_CHARS else f"{identifier[:_ID_SHOWN_CHARS]}…"
+    return ApiError(404, f"{kind} {shown} not found")
 
 
 class _EnvelopeResponse(JSONResponse):
