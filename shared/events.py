@@ -15,6 +15,7 @@ import re
 import unicodedata
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -89,9 +90,21 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     encoded = json_text(value)
     if "\\u0000" in encoded:
         raise ValueError("must not contain NUL characters")
-    if len(encoded.encode()) > METADATA_MAX_BYTES:
-        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON")
+    if len(encoded.encode()) + _growth_of_numbers_as_stored(value) > METADATA_MAX_BYTES:
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON, as stored (numbers without exponents)")
     return value
+
+
+def _growth_of_numbers_as_stored(value: Any) -> int:
+    """How many characters more PostgreSQL's JSONB writes the floats of `value` with: its numbers have no exponent,
+    so 1e308 (5 characters sent) is stored and served as 309 digits. Level by level, as `nested_deeper_than`."""
+    growth, level = 0, [value]
+    while level:
+        floats = [item for item in level if isinstance(item, float)]
+        growth += sum(len(format(Decimal(repr(number)), "f")) - len(repr(number)) for number in floats)
+        level = [child for item in level if isinstance(item, dict | list)
+                 for child in (item.values() if isinstance(item, dict) else item)]
+    return growth
 
 
 # Invisible, yet not whitespace nor format characters (category Cf): Unicode's default-ignorable code points of

@@ -73,6 +73,14 @@ async def test_huge_and_nested_metadata(client: httpx.AsyncClient, memory: dict[
     big = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "x",
                                                      "metadata": {"blob": "y" * 100_000}})
     assert_envelope(big, 400)
+    # 1.2 KB sent, but stored and served without exponents: 31 KB, and 50 times that for 2,000 of them.
+    exponents = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "x",
+                                                           "metadata": {"a": [1e308] * 100}})
+    assert_envelope(exponents, 400)
+    small = {"price": 1.5, "ratio": 2.5e-3, "big": 1e20}
+    kept = await client.post("/memory-entries", json={"memory_id": memory["id"], "content": "Small numbers",
+                                                      "metadata": small})
+    assert kept.status_code == 201 and kept.json()["metadata"] == small, kept.text
 
 
 @pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
