@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -30,6 +31,7 @@ from shared.events import (
     Reference,
     SourceType,
     Tag,
+    Text,
     json_text,
     nested_deeper_than,
     refuse_nul,
@@ -80,7 +82,7 @@ class ExtractionConfig(_EitherCase):
     enabled: bool = True
     ai_provider_id: Reference | None = None
     model: ModelName | None = None
-    prompt: str | None = Field(default=None, max_length=CONTENT_MAX_CHARS)
+    prompt: Text | None = Field(default=None, max_length=CONTENT_MAX_CHARS)
 
 
 class KnowledgeConfig(_EitherCase):
@@ -134,6 +136,17 @@ _KEY_PARAMETERS = frozenset(
 )
 
 
+def web_address(address: str) -> str:
+    """litellm calls a provider's address over HTTP: a `file:` or `gopher:` one, or one holding a line break (shown
+    otherwise than stored), is a mistake or worse."""
+    if any(char.isspace() or unicodedata.category(char) == "Cc" for char in address):
+        raise ValueError("must be a URL without spaces or control characters")
+    parts = urlsplit(address)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return address
+
+
 def refuse_credentials(address: str) -> str:
     """A key in a provider's address is shown to whoever reads the registry, travels with every write event and
     into dead letters, and fails next to the bearer key anyway: the key belongs in the variable `api_key_env`
@@ -141,7 +154,7 @@ def refuse_credentials(address: str) -> str:
     parts = urlsplit(address)
     if parts.username or parts.password:
         raise ValueError("must not carry credentials (user:password@): name the key's variable in api_key_env")
-    if any(name.lower() in _KEY_PARAMETERS for name, _ in parse_qsl(parts.query)):
+    if any(name.lower() in _KEY_PARAMETERS for name, _ in parse_qsl(parts.query, keep_blank_values=True)):
         raise ValueError("must not carry a key in its query: name the key's variable in api_key_env")
     return address
 
@@ -154,14 +167,21 @@ def redact_address(address: str) -> str:
     if parts.port and (parts.username or parts.password):
         netloc += f":{parts.port}"
     query = urlencode(
-        [(name, "***" if name.lower() in _KEY_PARAMETERS else value) for name, value in parse_qsl(parts.query)],
+        [
+            (name, "***" if name.lower() in _KEY_PARAMETERS else value)
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        ],
         safe="*",
     )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 ProviderAddress = Annotated[
-    str, StringConstraints(max_length=2048), AfterValidator(refuse_nul), AfterValidator(refuse_credentials)
+    str,
+    StringConstraints(max_length=2048),
+    AfterValidator(refuse_nul),
+    AfterValidator(web_address),
+    AfterValidator(refuse_credentials),
 ]
 """Where a provider's models answer (litellm's api_base), without credentials."""
 

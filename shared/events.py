@@ -122,9 +122,10 @@ _INVISIBLE = frozenset(
 
 
 def is_blank(text: str) -> bool:
-    """Nothing a reader would see: whitespace, invisible format characters (zero-width space, BOM, …) and the
-    other invisible characters (a Hangul filler, a variation selector, …)."""
-    return all(char.isspace() or char in _INVISIBLE or unicodedata.category(char) == "Cf" for char in text)
+    """Nothing a reader would see: whitespace, control characters (a terminal escape, DEL), invisible format
+    characters (zero-width space, BOM, …) and the other invisible characters (a Hangul filler, a variation
+    selector, …)."""
+    return all(char.isspace() or char in _INVISIBLE or unicodedata.category(char) in ("Cf", "Cc") for char in text)
 
 
 def refuse_blank(value: str) -> str:

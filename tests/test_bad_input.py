@@ -248,7 +248,9 @@ async def test_a_body_without_the_json_content_type_is_explained(client: httpx.A
      {"agent": {"id": "agent_1", "knowledge_config": {"bogus": 1}}},
      # NUL anywhere in the transcript, as in every other field of the API.
      {"messages": [{"role": "user", "content": "Hi\u0000"}]}, {"messages": [{"role": "us\u0000er", "content": "Hi"}]},
-     {"output": "Noted\u0000"}, {"agent": {"id": "agent\u0000", "model": "m"}}, {"status": "done\u0000"}],
+     {"output": "Noted\u0000"}, {"agent": {"id": "agent\u0000", "model": "m"}}, {"status": "done\u0000"},
+     {"agent": {"id": "agent_1", "knowledge_config": {"extraction": {"enabled": True, "prompt": "p\u0000"}}}},
+     {"generation_id": "\u200b"}],  # an id no one can see, or type
 )
 async def test_a_completed_turn_is_validated_before_it_is_published(
     client: httpx.AsyncClient, memory: dict[str, Any], fields: dict[str, Any]

@@ -91,7 +91,9 @@ async def test_content_limits(client: httpx.AsyncClient, memory: dict[str, Any])
     assert (await write(client, memory["id"], "")).status_code == 400
     # Zero-width space, BOM, word joiner; a Hangul filler, the combining grapheme joiner, a variation selector and
     # the blank braille pattern (invisible, but no format characters: they were stored).
-    for invisible in (" \n\t ", "\u200b\ufeff", " \u2060\u200d ", "\u3164", "\u034f", "\ufe0f\u2800"):
+    # Control characters alone (a terminal escape, DEL, C1) show nothing either.
+    for invisible in (" \n\t ", "\u200b\ufeff", " \u2060\u200d ", "\u3164", "\u034f", "\ufe0f\u2800",
+                      "\x01\x02\x1b", "\x7f", "\x9f"):
         blank = await write(client, memory["id"], invisible)
         assert blank.status_code == 400 and blank.json()["error"]["meta"]["invalid_fields"][0]["field"] == "content"
     search = await client.post("/knowledge/search", json={"project_id": memory["project_id"], "query": "\u200b"})

@@ -441,7 +441,11 @@ def test_a_provider_stored_before_the_rule_cannot_send_a_setting_either() -> Non
 
 
 @pytest.mark.parametrize(
-    "api_base", ["https://user:secret@llm.example/v1", "https://llm.example/v1?api_key=sk-live", "https://llm.example/v1?KEY=x"]
+    "api_base",
+    ["https://user:secret@llm.example/v1", "https://llm.example/v1?api_key=sk-live", "https://llm.example/v1?KEY=x",
+     "https://llm.example/v1?api_key",  # a key with no value was not seen as one, and shown without it
+     # Not an address litellm calls over HTTP, or one shown otherwise than stored (the line break dropped).
+     "file:///etc/passwd", "not a url", "http://llm.example/\r\nHost: elsewhere"],
 )
 async def test_a_provider_address_may_not_carry_a_key(
     client: httpx.AsyncClient, tenants: tuple[Tenant, Tenant], api_base: str

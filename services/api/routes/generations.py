@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
@@ -22,6 +22,7 @@ from shared.events import (
     GenerationCompleted,
     Text,
     UtcDatetime,
+    refuse_blank,
     refuse_nul,
     utcnow,
 )
@@ -32,7 +33,9 @@ router = APIRouter(prefix="/generations", tags=["extraction"], route_class=Check
 
 class CompletedTurn(Strict):
     project_id: str | None = None
-    generation_id: str = Field(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$")
+    generation_id: Annotated[str, AfterValidator(refuse_blank)] = Field(
+        min_length=1, max_length=255, pattern=r"^[^\s\x00]+$"
+    )
     conversation_id: Text | None = Field(default=None, max_length=255)
     agent: GenerationAgent
     extract: StrictBool | None = None
