@@ -4,6 +4,7 @@ envelope (never a 5xx), and on the bus a dead letter with a reason (never a cras
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from typing import Any
 
@@ -231,6 +232,19 @@ async def test_nul_anywhere_is_a_4xx(
     assert_envelope(response, 400)
     assert "NUL" in response.json()["error"]["message"] + json.dumps(response.json()["error"].get("meta"))
     assert "PostgreSQL" not in response.text  # what to change, not which database refused it
+
+
+async def test_a_compressed_body_is_refused_as_such(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # It was read as text ("must be UTF-8 text: byte 1 is not"), and a plain body declared gzip was taken.
+    body = json.dumps({"memory_id": memory["id"], "content": "Compressed fact"}).encode()
+    for sent, encoding in ((gzip.compress(body), "gzip"), (body, "gzip"), (body, "br")):
+        response = await client.post("/memory-entries", content=sent,
+                                     headers={"content-type": "application/json", "content-encoding": encoding})
+        assert_envelope(response, 415)
+        assert response.json()["error"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
+    plain = await client.post("/memory-entries", content=body,
+                              headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert plain.status_code == 201, plain.text
 
 
 async def test_a_body_without_the_json_content_type_is_explained(client: httpx.AsyncClient) -> None:

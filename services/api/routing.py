@@ -26,6 +26,7 @@ class CheckedRoute(APIRoute):
     - a query parameter it does not take, as an unknown body field is refused: a misspelt or differently encoded
       filter (`tag=`, `tags[]=`) must not quietly list everything; and one that takes a single value given twice
       (`project_id=A&project_id=B` listed B's alone);
+    - a body with a Content-Encoding (gzip, …): a 415;
     - a body that is not UTF-8 (RFC 8259; Python's parser would also take UTF-16, and UTF-8 with encoded
       surrogates), or that holds a lone surrogate (`"\\ud800"`: valid JSON, half of a UTF-16 pair, as a JavaScript
       client that cut a string through an emoji sends it): no UTF-8 text, so no column, log line or event, holds it.
@@ -42,10 +43,19 @@ class CheckedRoute(APIRoute):
             if request.query_params:
                 _refuse_query_parameters_not_taken(request, taken)
             if takes_body:
+                _refuse_encoded_bodies(request)
                 _refuse_text_that_is_not_unicode(await _body_of(request))
             return await handler(request)
 
         return checked
+
+
+def _refuse_encoded_bodies(request: Request) -> None:
+    """A compressed body is not read as one: refused as such (a 415), not as text that is no UTF-8, nor, when it
+    happens to be plain, taken as sent."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise HTTPException(415, f"Content-Encoding {encoding!r} is not accepted: send the body as it is")
 
 
 async def _body_of(request: Request) -> bytes:
