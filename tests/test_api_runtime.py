@@ -295,3 +295,24 @@ def test_the_api_loads_litellm_and_the_local_model_before_it_serves(settings: Se
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "True"]
+
+
+async def test_an_answer_to_a_client_that_hung_up_is_dropped_quietly() -> None:
+    # A client that pipelined requests and hung up: uvloop refuses each later answer with a RuntimeError, which
+    # escaped as an unhandled error (two ERROR lines with tracebacks per request, for anyone to cause).
+    from services.api.observed import ResponseCounter
+
+    async def answer(_scope: Any, _receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def closed(_message: Any) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    async def broken(_message: Any) -> None:
+        raise RuntimeError("something else went wrong")
+
+    scope = {"type": "http", "method": "GET"}
+    await ResponseCounter(answer)(scope, None, closed)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="something else"):  # any other failure is still one
+        await ResponseCounter(answer)(scope, None, broken)  # type: ignore[arg-type]

@@ -12,7 +12,11 @@ UNMATCHED = "unmatched"
 
 class ResponseCounter:
     """Pure ASGI, outside the routes: it sees the status that leaves, the error map's included; an exception
-    that escapes every handler leaves as a 500."""
+    that escapes every handler leaves as a 500.
+
+    It also drops, quietly, what is sent to a client that has hung up: uvloop refuses to write on the closed
+    connection (a RuntimeError), which the answers to requests a client pipelined and then left met. Raised, each
+    was logged twice at ERROR with its traceback: anyone could fill the logs and wake whoever watches them."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -21,13 +25,20 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status, client_gone = 500, False
 
         async def observed_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, client_gone
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+            if client_gone:
+                return
+            try:
+                await send(message)
+            except RuntimeError as exc:
+                if not _connection_closed(exc):
+                    raise
+                client_gone = True
 
         try:
             await self.app(scope, receive, observed_send)
@@ -35,3 +46,8 @@ class ResponseCounter:
             # The router wrote the matched route into this same scope on the way in.
             route = getattr(scope.get("route"), "path", UNMATCHED)
             metrics.observe_http_response(scope["method"], route, status)
+
+
+def _connection_closed(error: RuntimeError) -> bool:
+    # uvloop's words: "unable to perform operation on <TCPTransport closed=True …>; the handler is closed".
+    return "closed" in str(error)
