@@ -866,16 +866,16 @@ async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_ow
     assert running.delays == [bus.retry_delay(settings.memories_retry_backoff_s, 3)] and stopping.delays == [None]
 
 
-async def test_a_lane_stopped_by_an_outage_as_the_writer_stops_tries_none_of_its_later_writes(
+async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_writes_back_untried(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A lane decides its writes one at a time. The writer stopping no longer waits an outage out: the write it
-    # stopped goes back, and the memory's later writes must go back after it, untried (the database may be back
-    # for the next one, which would then be decided before the earlier write).
+    # stopped goes back, and the memory's later writes, in that lane or in one queued behind it, must go back after
+    # it untried: the database back by then, they would be decided before it.
     settled: list[tuple[int, str]] = []
 
-    class Delivered:  # what the lane does with each message is the subject of the test: recorded here
+    class Delivered:  # what the lanes do with each message is the subject of the test: recorded here
         is_acked = False
 
         def __init__(self, sequence: int) -> None:
@@ -889,27 +889,33 @@ async def test_a_lane_stopped_by_an_outage_as_the_writer_stops_tries_none_of_its
             settled.append((self.sequence, "ack"))
 
     tried: list[int] = []
+    decide_batch = WriteApplier._decide_batch
 
-    async def down(self: WriteApplier, session: Any, batch: Any, **_options: Any) -> Any:
+    async def down_then_back(self: WriteApplier, session: Any, batch: Any, **options: Any) -> Any:
         tried.append(len(batch))
-        raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+        if len(tried) <= 2:  # the first write, in the lane's transaction and then alone
+            raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+        return await decide_batch(self, session, batch, **options)
 
     memory = await new_memory(client, project, "stopping")
     applier = WriteApplier(sessions, CountingEmbedder(), "counting")
-    writes = [write(memory, "First set-aside fact"), write(memory, "Second set-aside fact")]
+    writes = [write(memory, f"Set-aside fact number {n}") for n in (1, 2, 3)]
     prepared = await applier.prepare(writes)
-    monkeypatch.setattr(WriteApplier, "_decide_batch", down)
-    messages = [Delivered(1), Delivered(2)]
+    monkeypatch.setattr(WriteApplier, "_decide_batch", down_then_back)
+    messages = [Delivered(1), Delivered(2), Delivered(3)]
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(applier, nc, settings, model_lanes=1)
         handler.stop()
-        batch = PreparedBatch(list(zip(messages, writes, strict=True)), prepared)  # type: ignore[arg-type]
-        await asyncio.wait_for(handler._decide_in_lane(None, batch, messages), 10)  # type: ignore[arg-type]
+        first = PreparedBatch(list(zip(messages[:2], writes[:2], strict=True)), prepared[:2])  # type: ignore[arg-type]
+        await asyncio.wait_for(handler._decide_in_lane(None, first, messages[:2]), 10)  # type: ignore[arg-type]
+        behind = PreparedBatch([(messages[2], writes[2])], prepared[2:])  # type: ignore[list-item]
+        await asyncio.wait_for(handler._decide_in_lane(None, behind, messages[2:]), 10)  # type: ignore[arg-type]
     finally:
         await nc.close()
-    assert tried == [1, 1]  # the first write, in the lane's transaction and then alone; never the second
-    assert settled == [(1, "nak"), (2, "nak")]
+    assert tried == [1, 1]  # never the second nor the third, though the database was back for them
+    assert settled == [(1, "nak"), (2, "nak"), (3, "nak")]
+    assert await valid_contents(sessions, memory["id"]) == []
 
 
 async def test_the_bus_failing_one_writes_settling_leaves_the_rest_of_its_batch_settled(

@@ -70,6 +70,9 @@ class WriteHandler:
         self._lanes: dict[str, asyncio.Task[None]] = {}  # memory id → the last of its set-aside writes' tasks
         self._set_aside_messages: dict[asyncio.Task[None], list[Msg]] = {}  # every lane not finished, and its writes
         self._lane_slots = asyncio.Semaphore(model_lanes)
+        # Memories a write of which was handed back as the writer stops: their later writes, in any batch or lane,
+        # go back after it untried (decided now, they would be decided before it).
+        self._handed_back: set[str] = set()
 
     async def prepare(self, messages: Sequence[Msg]) -> PreparedBatch:
         """A partition's fetched messages made ready for their decisions, outside any lock: decoded (a
@@ -146,10 +149,7 @@ class WriteHandler:
                     # One write per transaction: the memory's lock (and its edits) waits on one model answer at a
                     # time, and each write is answered as soon as it is decided.
                     for i in range(len(messages)):
-                        if not await self._conclude(writes.part([i]), in_lane=True):
-                            # Stopped by an outage as the writer stops: the later writes go back after it, in order.
-                            await bus.hand_back(messages[i + 1 :])
-                            return
+                        await self._conclude(writes.part([i]), in_lane=True)
         except Exception:  # the steps handle their own failures; this is a bug, and the writes are redelivered
             log.exception("set-aside writes failed")
         finally:
@@ -172,12 +172,16 @@ class WriteHandler:
                 return
             await asyncio.wait(pending, timeout=left)
 
-    async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> bool:
+    async def _conclude(self, batch: PreparedBatch, *, in_lane: bool = False) -> None:
         """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
         decision may wait for its memory and a model; elsewhere the writes that would wait are set aside (`Deferred`).
-        False when an outage stopped some of them (the writer is stopping: it no longer waits outages out)."""
+        A stopping writer hands back, untried, the writes of a memory it handed a write back of."""
+        behind = [i for i, (_, event) in enumerate(batch.events) if event.memory_id in self._handed_back]
+        if behind:
+            await bus.hand_back([batch.events[i][0] for i in behind])
+            batch = batch.part([i for i in range(len(batch.events)) if i not in set(behind)])
         if not batch.events:
-            return True
+            return
         results = await self._decide_through_outages(batch, in_lane=in_lane)
         self._set_aside(batch, [i for i, result in enumerate(results) if isinstance(result, Deferred)])
         announcements = []
@@ -189,6 +193,8 @@ class WriteHandler:
             with log_context(write_id=event.write_id, memory_id=event.memory_id):
                 try:
                     if isinstance(result, Exception):
+                        if self._stop.is_set() and bus.is_outage(result):  # handed back, not waited out
+                            self._handed_back.add(event.memory_id)
                         await self._retry_or_give_up(message, event, result)
                     else:
                         # Announced whatever becomes of its ack: delivered again, it would be a replay, which
@@ -203,7 +209,6 @@ class WriteHandler:
         # The change feed's acknowledgements are awaited together, not one round trip per write. The tasks
         # start in decision order and each sends before it first waits, so the feed keeps that order.
         await asyncio.gather(*announcements)
-        return not any(isinstance(result, Exception) and bus.is_outage(result) for result in results)
 
     async def _decide_through_outages(
         self, batch: PreparedBatch, *, in_lane: bool = False
