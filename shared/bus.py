@@ -514,10 +514,11 @@ def is_outage(exc: BaseException) -> bool:
 
     if isinstance(exc, OperationalError):
         sqlstate = getattr(exc.orig, "sqlstate", None)  # none: the driver's own, as "connection refused"
-        return sqlstate is None or sqlstate.startswith(_OUTAGE_SQLSTATES)
-    if isinstance(exc, PoolTimeout | OSError | TimeoutError | ConnectionError):
+        if sqlstate is None or sqlstate.startswith(_OUTAGE_SQLSTATES):
+            return True
+    elif isinstance(exc, PoolTimeout | OSError | TimeoutError | ConnectionError):
         return True
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:  # whatever its SQLSTATE, the connection is gone
         return True
     from nats.errors import Error as NatsError
 

@@ -655,7 +655,9 @@ async def clear_provenance(
         await session.execute(
             forgetting.on_conflict_do_update(
                 index_elements=["project_id", "kind", "reference"],
-                set_={"forgotten_at": forgetting.excluded.forgotten_at},
+                # Never earlier than a forgetting stamped before by a clock running ahead: its deletion, delivered
+                # again, would look unapplied.
+                set_={"forgotten_at": func.greatest(ForgottenProvenance.forgotten_at, forgetting.excluded.forgotten_at)},
             )
         )
     result = await session.execute(

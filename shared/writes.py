@@ -206,8 +206,8 @@ class WriteApplier:
         spoils the shared transaction, each is applied alone, so only that write fails and the others are
         not held back by it; an outage met on the way stops the others too (they get its exception), so that
         what is decided is always a prefix, in order. With `defer_waits`, a write that would wait, for a memory
-        another transaction holds or on a model, is left undecided (`Deferred`), and so are its memory's later
-        writes: one memory holds up no other.
+        another transaction holds, for a generation or conversation being forgotten, or on a model, is left
+        undecided (`Deferred`), and so are its memory's later writes: one memory holds up no other.
         """
         # One result per prepared write, in its place: the failure it came with, its decision, or its deferral.
         results: list[AppliedWrite | Deferred | Exception | None] = [one.failed for one in prepared]

@@ -606,6 +606,8 @@ async def test_a_deletion_stamped_by_a_clock_ahead_of_the_databases_is_still_see
             return await repo.clear_provenance(session, project, conversation_id="conv_skewed", deleted_at=stamped)
 
     await forget()
+    async with sessions.begin() as session:  # forgotten again at once, through REST: by PostgreSQL's clock alone
+        await repo.clear_provenance(session, project, conversation_id="conv_skewed")
     await asyncio.sleep(0.6)  # the conversation goes on after "clear history", past the skew
     write = MemoryWriteRequested(event_id=new_write_id(), project_id=project, memory_id=memory["id"],
                                  content="The user asked about invoices", source_conversation_id="conv_skewed")

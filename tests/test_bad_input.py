@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import nats
@@ -348,6 +348,13 @@ async def test_a_404_does_not_echo_an_id_of_any_length(client: httpx.AsyncClient
     empty = await client.get("/memory-entries", params={"memory_id": ""})
     assert_envelope(empty, 404)
     assert empty.json()["error"]["message"] == "no memory has an empty id"
+
+
+def test_an_optional_list_parameter_takes_repeats_as_a_list_does() -> None:
+    from services.api.routing import _takes_several
+
+    assert _takes_several(list[str]) and _takes_several(list[str] | None) and _takes_several(Optional[set[int]])  # noqa: UP045
+    assert not _takes_several(str) and not _takes_several(str | None) and not _takes_several(int)
 
 
 async def test_a_validators_message_reaches_the_client_in_its_own_words(

@@ -44,6 +44,9 @@ def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
         # long would hold its partition for ever.
         (OperationalError("SELECT 1", {}, psycopg.errors.QueryCanceled("statement timeout")), False),
         (OperationalError("SELECT 1", {}, psycopg.errors.ProgramLimitExceeded("index row too large")), False),
+        # Any error that took the connection with it is one (an I/O error, a conflict with recovery).
+        (OperationalError("SELECT 1", {}, psycopg.errors.IoError("could not read block"), connection_invalidated=True),
+         True),
         (DBAPIError("SELECT 1", {}, Exception("server closed"), connection_invalidated=True), True),
         (ConnectionRefusedError(), True),
         (TimeoutError(), True),

@@ -10,7 +10,8 @@ import json
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from fastapi import Request, Response
 from fastapi.dependencies.models import Dependant
@@ -86,11 +87,17 @@ def _refuse_query_parameters_not_taken(request: Request, taken: Mapping[str, boo
 
 def _query_parameters(dependant: Dependant) -> dict[str, bool]:
     """Each query parameter of the route and its dependencies, and whether it takes several values (a list)."""
-    taken = {field.alias: get_origin(field.field_info.annotation) in (list, tuple, set, frozenset)
-             for field in dependant.query_params}
+    taken = {field.alias: _takes_several(field.field_info.annotation) for field in dependant.query_params}
     for sub in dependant.dependencies:
         taken.update(_query_parameters(sub))
     return taken
+
+
+def _takes_several(annotation: Any) -> bool:
+    """A list (or set, tuple), optional or not: `list[str] | None` takes repeats as `list[str]` does."""
+    if get_origin(annotation) in (Union, UnionType):
+        return any(_takes_several(member) for member in get_args(annotation))
+    return get_origin(annotation) in (list, tuple, set, frozenset)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
