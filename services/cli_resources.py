@@ -383,6 +383,7 @@ def run_import(args: argparse.Namespace) -> int:
     except ConnectionFailed as error:  # not one failure per line: every line left would fail alike
         bar.update(summary, final=True)
         report(error)
+        _report_import(summary, args)  # what was learnt before: lines that are wrong, writes to look up
         print(
             f"stopped after {summary.done} of {summary.total} lines: run the same import again once the service "
             "can be reached (nothing is written twice)",
@@ -390,6 +391,11 @@ def run_import(args: argparse.Namespace) -> int:
         )
         return 1
     bar.update(summary, final=True)
+    _report_import(summary, args)
+    return 1 if summary.counts["failed"] else 0
+
+
+def _report_import(summary: ImportSummary, args: argparse.Namespace) -> None:
     for number, reason in summary.listed_failures:
         print(f"line {number}: {reason}", file=sys.stderr)
     if summary.unlisted_failures:
@@ -397,7 +403,6 @@ def run_import(args: argparse.Namespace) -> int:
     for number, write_id in sorted(summary.pending):
         print(f"line {number}: not decided yet, write {write_id} (`memories get-memory-write {write_id}`)", file=sys.stderr)
     print(json.dumps(summary.as_json(), indent=2) if args.json else summary.describe())
-    return 1 if summary.counts["failed"] else 0
 
 
 # Parser -------------------------------------------------------------------------------------------

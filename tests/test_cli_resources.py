@@ -398,11 +398,13 @@ def test_the_lowest_numbered_failures_are_listed() -> None:
 
 async def test_an_unreachable_service_stops_the_import_at_once(cli: Cli, tmp_path: Path) -> None:
     source = tmp_path / "many.jsonl"
-    source.write_text("".join(json.dumps({"memory_id": f"mem_{n}", "content": "x"}) + "\n" for n in range(150)))
+    source.write_text("not json\n" + "".join(json.dumps({"memory_id": f"mem_{n}", "content": "x"}) + "\n" for n in range(150)))
     code, out, err = await cli.raw("import", str(source), "--url", f"http://{LOOPBACK}:{free_port()}", "--token", "t")
     # Was 100 "line N: CONNECTION_FAILED" and "… and 50 more failed lines".
-    assert code == 1 and out == "" and err.count("CONNECTION_FAILED") == 1, err
-    assert "stopped after 0 of 150 lines: run the same import again" in err and "line " not in err
+    assert code == 1 and err.count("CONNECTION_FAILED") == 1, err
+    assert "stopped after 1 of 151 lines: run the same import again" in err
+    # What was learnt before it stopped is reported all the same: the line to fix, and the summary.
+    assert "line 1: " in err and "line 2:" not in err and out.startswith("151 lines: 0 created"), (out, err)
 
 
 @pytest.mark.parametrize(
