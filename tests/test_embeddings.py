@@ -303,7 +303,9 @@ async def test_a_local_call_is_not_priced_after_it_returns(monkeypatch: pytest.M
 
     monkeypatch.setattr(litellm, "response_cost_calculator", counting)
     await embed_texts(["a fact", "another fact"], model=LOCAL_MODEL)
-    await asyncio.sleep(0.2)  # litellm logs a call's success in a task of its own, after it returns
+    # litellm prices a call as it returns (before `embed_texts` gets the answer), and again in the task that logs
+    # its success: the first alone fails this test without the stamp; the pause lets the second run too.
+    await asyncio.sleep(0.2)
     assert priced == []
 
 
