@@ -22,12 +22,12 @@ from shared.db.models import Memory, MemoryEntry, Project, WriteOutcome
 from shared.events import (
     DEFAULT_DUPLICATE_THRESHOLD,
     EntryState,
-    Metadata,
     SourceType,
     Tags,
     WriteAction,
     WritePolicy,
     WrittenContent,
+    WrittenMetadata,
     one_visible_line,
     refuse_nul,
 )
@@ -143,7 +143,7 @@ class EntryCreate(Strict):
     content: WrittenContent
     source_type: SourceType = SourceType.MANUAL
     tags: Tags | None = None
-    metadata: Metadata = None
+    metadata: WrittenMetadata = None
     duplicate_threshold: Threshold = DEFAULT_DUPLICATE_THRESHOLD
     write_policy: WritePolicy | None = Field(default=None, description="this write only; default: the memory's")
 
@@ -151,7 +151,7 @@ class EntryCreate(Strict):
 class EntryUpdate(Strict):
     content: WrittenContent | None = None
     tags: Tags | None = None
-    metadata: Metadata = None
+    metadata: WrittenMetadata = None
 
 
 # The fields are the bus's (shared.events.EntryState): the writer's reply and the REST answer are one shape.

@@ -23,7 +23,7 @@ from services.api.errors import ApiError, invalid
 from services.api.routes.entries import WRITE_RESPONSES, load_entry, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
 from services.api.routing import CheckedRoute
-from services.api.schemas import Metadata, Strict, Tags, Timestamp
+from services.api.schemas import Strict, Tags, Timestamp, WrittenMetadata
 from shared import registry
 from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
@@ -126,7 +126,7 @@ class OrchestrationWrite(Strict):
         BeforeValidator(flatten_tags, json_schema_input_type=list[str] | dict[str, str | int | float | bool] | None),
         Field(description='a list, or a {key: value} map stored as "key:value" tags'),
     ] = None
-    metadata: Metadata = None
+    metadata: WrittenMetadata = None
     source_type: SourceType = SourceType.ORCHESTRATION
 
 
