@@ -273,6 +273,19 @@ async def test_an_empty_edit_changes_nothing(client: httpx.AsyncClient, memory: 
     assert [record["action"] for record in history] == ["created"]
 
 
+async def test_an_edits_record_names_what_it_changed(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # A tags-only edit was recorded with the same text before and after, and nothing else: an edit of nothing.
+    entry = (await write(client, memory["id"], "A fact to relabel", tags=["draft"])).json()
+    url = f"/memory-entries/{entry['id']}"
+    await client.put(url, json={"tags": ["final"], "metadata": {"reviewed": True}})
+    await client.put(url, json={"tags": ["final"], "content": "A fact relabelled"})  # the same tags: not a change
+    await client.put(url, json={"tags": ["final"]})  # nothing new: no record at all
+    history = (await client.get(f"{url}/history")).json()["data"]
+    assert [(record["action"], record["rule"]) for record in history] == [
+        ("created", "no_candidate"), ("edited", "changed:tags,metadata"), ("edited", "changed:content")
+    ], history
+
+
 @pytest.mark.parametrize("caller", ["admin", "api key"])
 async def test_an_edit_holds_no_database_connection_while_its_new_content_is_embedded(
     settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caller: str

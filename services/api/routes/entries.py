@@ -244,13 +244,20 @@ async def update_entry(
             embedding=vector,
             embedding_model=settings.embedding_model,
         )
-    if not changes:  # nothing asked for: no new updated_at, no audit record of an edit that did nothing
+    # What the edit changes, named in its audit record: a tags-only edit read as an edit that changed nothing.
+    changed = [name for name, column in _EDITABLE if column in changes and changes[column] != getattr(entry, column)]
+    if not changed:  # nothing asked for, or nothing new: no new updated_at, no audit record of an edit that did nothing
         return EntryOut.of(entry)
     entry = await repo.update_entry(session, entry, changes)
-    await repo.save_records(session, [], [_edit_record(entry, "edited", before, entry.content)])
+    record = _edit_record(entry, "edited", before, entry.content, rule=f"changed:{','.join(changed)}")
+    await repo.save_records(session, [], [record])
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
+
+
+_EDITABLE = (("content", "content"), ("tags", "tags"), ("metadata", "metadata_"))
+"""An edit's fields, as the API and the entry name them."""
 
 
 def _editable(entry: MemoryEntry) -> MemoryEntry:
@@ -300,12 +307,15 @@ async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind)
     await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
 
 
-def _edit_record(entry: MemoryEntry, action: str, before: str | None, after: str | None) -> HistoryRow:
+def _edit_record(
+    entry: MemoryEntry, action: str, before: str | None, after: str | None, rule: str | None = None
+) -> HistoryRow:
     return HistoryRow(
         project_id=entry.project_id,
         memory_id=entry.memory_id,
         entry_id=entry.id,
         action=action,
+        rule=rule,
         content_before=before,
         content_after=after,
     )
