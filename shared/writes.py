@@ -371,6 +371,8 @@ class WriteApplier:
             arbitrate=arbitration.arbitrate if arbitration else None,
             relatedness=partial(self._relatedness, vectors),
         )
+        if decision.action is WriteAction.UPDATED:
+            decision = await _unless_held_already(session, event.memory_id, decision)
         entry, change = await self._carry_out(session, event, decision, digest, embedding, vectors)
         copies.record(event.memory_id, decision, entry)
         record = OutcomeRow(
@@ -545,6 +547,18 @@ async def _forget_forgotten(
         cleared = {f"source_{ref[1]}_id": None for ref in refs if ref in forgotten and _forgotten_for(ref, seen_at, forgotten[ref])}
         kept.append(replace(one, event=one.event.model_copy(update=cleared)) if cleared else one)
     return kept, busy
+
+
+async def _unless_held_already(session: AsyncSession, memory_id: str, decision: Decision) -> Decision:
+    """A rewrite (a merge, an arbitrated update) into the text another valid entry of the memory holds would make
+    the rewritten entry an exact copy of that one: the write is skipped against it instead (the fact it brought is
+    stored there already), and the entry the model would have rewritten stays as it was."""
+    assert decision.target is not None and decision.merged_content is not None
+    found = await repo.find_exact_copies(session, [(memory_id, content_hash(decision.merged_content))])
+    holder = next(iter(found.values()), None)
+    if holder is None or holder.entry_id == decision.target.entry_id:
+        return decision
+    return Decision(WriteAction.SKIPPED, f"{decision.rule}:{Rule.EXACT_COPY}", holder)
 
 
 def _forgotten_for(reference: repo.ProvenanceRef, seen_at: datetime, forgotten_at: datetime) -> bool:

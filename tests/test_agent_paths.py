@@ -151,6 +151,31 @@ async def test_merge_consolidates_similar_agent_facts(
     assert history[1]["model"] == model and history[1]["prompt_version"] == "merge-v1"
 
 
+async def test_a_merge_into_the_text_of_another_entry_is_skipped_against_it(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A model may word the merge as a fact the memory holds already: the rewritten entry became an exact copy
+    # of another valid entry, which no write may store (a walk-through found five of one text in one memory).
+    held = "Mornings are best for emailing this customer, who avoids phone calls"
+    model = llm.script("merge-to-a-copy", held)
+    first = await tool_write(client, memory, EMAIL, model, generation_id="gen_first")
+    other = (await client.post("/memory-entries", json={"memory_id": memory["id"], "content": held})).json()
+    assert other["action"] == "created"
+    merged = await tool_write(client, memory, EMAIL_DETAIL, model, generation_id="gen_second")
+    assert merged == {"action": "skipped", "entry_id": other["id"]}, merged
+    assert len(llm.calls_to("merge-to-a-copy")) == 1
+    assert (await get_entry(client, first["entry_id"]))["content"] == EMAIL  # left as it was
+    async with sessions() as session:
+        copies = await session.scalar(text(
+            "SELECT count(*) - count(DISTINCT content_hash) FROM memory_entries"
+            " WHERE memory_id = :id AND invalidated_at IS NULL"), {"id": memory["id"]})
+    assert copies == 0
+    history = (await client.get(f"/memory-entries/{other['id']}/history")).json()["data"]
+    assert [(r["action"], r["rule"], r["model"]) for r in history] == [
+        ("created", "below_threshold", None), ("skipped", "merged:exact_copy", model)
+    ]
+
+
 async def test_a_merge_embeds_each_text_once(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
