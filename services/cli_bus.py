@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,6 +19,7 @@ from shared.servers import NATS_URL_MISSING, nats_url_for
 from shared.settings import Settings, get_settings
 
 T = TypeVar("T")
+log = logging.getLogger("memories.cli")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -68,8 +70,9 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
 
 def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
     """What `memories up` does with the NATS it started, before it starts any service: nothing publishes or consumes
-    yet, the one moment a changed MEMORIES_PARTITIONS can be applied (as `bus init` would) and the partitions it
-    drops pruned. The refusal, when writes of the old count are still queued; None once laid out."""
+    yet, the one moment a changed MEMORIES_PARTITIONS can be applied (as `bus init` would), the partitions it drops
+    pruned, and the writes the last run's writer held released at once (`bus.release_held_writes`). The refusal,
+    when writes of the old count are still queued; None once laid out."""
 
     async def apply() -> None:
         nc = await bus.connect(nats_url, name="memories-up", one_shot=True)
@@ -77,6 +80,8 @@ def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
             js = nc.jetstream()
             await bus.ensure_layout(js, settings, sets_partitions=True)
             await bus.prune_consumers(js, settings)
+            if released := await bus.release_held_writes(js, settings):
+                log.info("%d writes the last run's writer held are queued again, in order", released)
         finally:
             await nc.close()
 

@@ -391,6 +391,22 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
     return deleted, busy
 
 
+async def release_held_writes(js: JetStreamContext, settings: Settings) -> int:
+    """For a start no writer runs at (`memories up`, before its services): the writes a stopped run's writer held
+    (handed back as it stopped, or in flight when it died) would come back only after the ack wait, since NATS
+    forgets a hand-back when it restarts, and the first writer would hold their partitions that long, waiting for
+    them. A partition's consumer made anew hands them out at once, in order: MEMORY_WRITES keeps a write until it
+    is acknowledged. How many writes it released."""
+    released = 0
+    for info in await js.consumers_info(WRITES_STREAM):
+        if _writer_partition(info.name) is not None and info.num_ack_pending:
+            await js.delete_consumer(WRITES_STREAM, info.name)
+            released += info.num_ack_pending
+    if released:
+        await ensure_layout(js, settings)  # the consumers deleted, made anew
+    return released
+
+
 async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:
     try:
         await js.add_consumer(stream, config=config)

@@ -162,3 +162,42 @@ def test_the_local_run_applies_a_changed_partition_count_before_its_services_sta
         assert refused is not None and "1 writes are queued" in refused and "once with the count it had" in refused
         assert lay_out_for_the_local_run(server.url, Settings(memories_partitions=4)) is None  # as it was: it starts
         assert asyncio.run(layout_of(server.url))[0] == 4
+
+
+def test_the_local_run_releases_the_writes_its_last_writer_held(tmp_path: Path) -> None:
+    # Handed back as the writer stopped, then NATS stopped with `up`: NATS forgot the hand-back, and the writes came
+    # back only after the ack wait (30 s), the next writer holding their partition meanwhile (a drill saw 202s).
+    from services.cli_bus import lay_out_for_the_local_run
+
+    settings = Settings(memories_partitions=4)
+
+    async def held_by_a_writer(url: str) -> None:
+        nc = await bus.connect(url, name="test-held")
+        try:
+            js = nc.jetstream()
+            for n in range(2):
+                await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.2.mem_held", f'{{"n": {n}}}'.encode(), stream=bus.WRITES_STREAM)
+            taken = await nc.subscribe(nc.new_inbox())
+            pull = {"batch": 2, "expires": 1_000_000_000, "group": bus.WRITERS_GROUP}
+            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.{bus.writer_durable(2)}",
+                             json.dumps(pull).encode(), reply=taken.subject)
+            for _ in range(2):
+                await taken.next_msg(timeout=5)  # delivered, never acknowledged: the writer stopped
+        finally:
+            await nc.close()
+
+    async def consumer_of(url: str) -> tuple[int, int]:
+        nc = await bus.connect(url, name="test-held")
+        try:
+            info = await nc.jetstream().consumer_info(bus.WRITES_STREAM, bus.writer_durable(2))
+            return info.num_ack_pending or 0, info.num_pending or 0
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        assert lay_out_for_the_local_run(server.url, settings) is None
+        asyncio.run(held_by_a_writer(server.url))
+        assert asyncio.run(consumer_of(server.url)) == (2, 0)
+    with EmbeddedNats(tmp_path / "nats") as server:  # the next `memories up`
+        assert lay_out_for_the_local_run(server.url, settings) is None
+        assert asyncio.run(consumer_of(server.url)) == (0, 2)  # to be delivered now, not after the ack wait
