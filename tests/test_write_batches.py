@@ -725,7 +725,7 @@ async def test_memories_waiting_on_models_are_bounded_and_a_later_write_waits_be
 
 async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_hands_them_back_in_order(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
-    settings: Settings, monkeypatch: pytest.MonkeyPatch,
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A model call may take 30 s, longer than a stop's budget: the lanes are cancelled, their transactions rolled
     # back, and their writes handed back at once, in order. Left to the ack wait (30 s here), they would come back
@@ -745,7 +745,9 @@ async def test_a_stop_cancels_the_set_aside_writes_it_cannot_wait_for_and_hands_
             if metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before + 2:
                 break
             await asyncio.sleep(0.05)
-        await partition.handler.finish_lanes(timeout=0.2)
+        with caplog.at_level(logging.INFO, logger="memories.writer"):
+            await partition.handler.finish_lanes(timeout=0.2)
+        assert "stopping: 2 set-aside writes handed back undecided" in caplog.text  # said, for the operator
         assert metrics.REGISTRY.get_sample_value("memories_writes_set_aside") == set_aside_before
         assert not await partition.decided(merge) and not await partition.decided(later)
         model.release.set()

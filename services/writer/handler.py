@@ -168,7 +168,10 @@ class WriteHandler:
                 for lane in pending:
                     lane.cancel()
                 await asyncio.wait(pending)
-                await bus.hand_back([message for message in undecided if not message.is_acked])
+                handed_back = [message for message in undecided if not message.is_acked]
+                # Said, so that an operator can tell a stop that left writes to the next writer from one that did not.
+                log.info("stopping: %d set-aside writes handed back undecided", len(handed_back))
+                await bus.hand_back(handed_back)
                 return
             await asyncio.wait(pending, timeout=left)
 
