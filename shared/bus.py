@@ -582,6 +582,17 @@ async def hand_back(messages: Sequence[Msg]) -> None:
             log.warning("could not hand a message back: %s", exc)
 
 
+def deliveries(message: Msg) -> int:
+    """How many times JetStream has delivered `message`, this time included."""
+    return message.metadata.num_delivered if message.metadata else 1
+
+
+def retried(delivered: int, max_deliver: int, failure: BaseException | None = None) -> bool:
+    """The one retry policy of every consumer: an outage is retried for as long as it lasts, any other failure
+    until its message's MEMORIES_MAX_DELIVER-th delivery, then dead-lettered (`max_deliver` −1 on the server)."""
+    return (failure is not None and is_outage(failure)) or delivered < max_deliver
+
+
 def retry_delay(backoff: float, delivered: int) -> float:
     """Twice `backoff` after the first delivery, doubling with each one, at most RETRY_DELAY_MAX_S."""
     return min(backoff * 2 ** min(delivered, 10), RETRY_DELAY_MAX_S)

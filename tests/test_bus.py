@@ -6,6 +6,7 @@ import asyncio
 import json
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import nats.errors
 import psycopg.errors
@@ -58,6 +59,14 @@ def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
 )
 def test_what_counts_as_an_outage(error: BaseException, outage: bool) -> None:
     assert bus.is_outage(error) is outage
+
+
+def test_every_consumer_retries_an_outage_for_ever_and_anything_else_max_deliver_times() -> None:
+    outage, bug = ConnectionRefusedError(), ValueError("a bug")
+    assert bus.retried(50, 5, outage) and bus.retried(4, 5, bug) and not bus.retried(5, 5, bug)
+    assert bus.retried(4, 5) and not bus.retried(5, 5)  # a consumer that waited its outages out already
+    assert bus.deliveries(SimpleNamespace(metadata=None)) == 1  # type: ignore[arg-type]
+    assert bus.deliveries(SimpleNamespace(metadata=SimpleNamespace(num_delivered=3))) == 3  # type: ignore[arg-type]
 
 
 def test_retry_delay_doubles_and_is_capped() -> None:

@@ -141,8 +141,8 @@ class ExtractorService(ConsumerProcess):
     async def _retry_or_give_up(self, message: NatsMessage, event: GenerationCompleted, reason: str) -> None:
         assert self._extractor is not None and self.nc is not None
         raw = message.raw_message
-        delivered = raw.metadata.num_delivered if raw.metadata else 1
-        if delivered < self.settings.memories_max_deliver:
+        delivered = bus.deliveries(raw)
+        if bus.retried(delivered, self.settings.memories_max_deliver):  # its outages were waited out already
             log.warning("extraction will be retried (%s): %s", delivered, reason)
             await message.nack(delay=bus.retry_delay(self.settings.memories_retry_backoff_s, delivered))
             return

@@ -300,8 +300,8 @@ class WriteHandler:
             log.warning("could not answer the unreadable write: %s", exc)
 
     async def _retry_or_give_up(self, message: Msg, event: MemoryWriteRequested, exc: Exception) -> None:
-        delivered = message.metadata.num_delivered if message.metadata else 1
-        if bus.is_outage(exc) or delivered < self._max_deliver:
+        delivered = bus.deliveries(message)
+        if bus.retried(delivered, self._max_deliver, exc):
             log.warning("write failed, will retry", extra={"attempt": delivered}, exc_info=exc)
             # A stopping writer hands writes back at once, in the order it meets them, as it does those set aside: a
             # delay grown with each one's own deliveries would bring a memory's writes back out of order.

@@ -49,9 +49,8 @@ class ProvenanceHandler:
                         session, event.project_id, conversation_id=event.conversation_id, deleted_at=deleted_at
                     )
         except Exception as exc:
-            # As for writes: an outage is retried for as long as it lasts, anything else MEMORIES_MAX_DELIVER times.
-            delivered = message.raw_message.metadata.num_delivered if message.raw_message.metadata else 1
-            if bus.is_outage(exc) or delivered < self._max_deliver:
+            delivered = bus.deliveries(message.raw_message)
+            if bus.retried(delivered, self._max_deliver, exc):
                 log.warning("could not clear provenance for %s, will retry", subject, exc_info=exc)
                 await message.nack(delay=bus.retry_delay(self._backoff, delivered))
                 return
