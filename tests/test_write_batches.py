@@ -385,6 +385,28 @@ async def holding_email(
     return memories
 
 
+class RecordedMessage:
+    """A delivered write message that records what the writer does with it, the subject of the tests that use it
+    (everything else they run on is the real database and bus). Messages given one `settled` list record in order."""
+
+    is_acked = False
+    data = b"{}"
+
+    def __init__(
+        self, sequence: int = 1, *, delivered: int = 1, subject: str = "",
+        settled: list[tuple[int, str, float | None]] | None = None,
+    ) -> None:
+        self.sequence, self.subject = sequence, subject
+        self.metadata = SimpleNamespace(num_delivered=delivered, sequence=SimpleNamespace(stream=sequence))
+        self.settled = [] if settled is None else settled
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.settled.append((self.sequence, "nak", delay))
+
+    async def ack(self) -> None:
+        self.settled.append((self.sequence, "ack", None))
+
+
 class HeldModel:
     """Every merge (or arbitration) a model is asked for waits until released, then fails; `asked` counts them."""
 
@@ -846,26 +868,19 @@ async def test_a_stopping_writer_hands_writes_back_at_once_not_each_after_its_ow
 ) -> None:
     # Stopped by an outage as the writer stops, two writes of one memory delivered a different number of times
     # would come back after different delays, the later one first.
-    class Delivered:
-        def __init__(self, times: int) -> None:
-            self.metadata = SimpleNamespace(num_delivered=times)
-            self.delays: list[float | None] = []
-
-        async def nak(self, delay: float | None = None) -> None:
-            self.delays.append(delay)
-
     memory = await new_memory(client, project, "stopping")
     outage = OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(WriteApplier(sessions, CountingEmbedder(), "counting"), nc, settings, model_lanes=1)
-        running, stopping = Delivered(3), Delivered(3)
+        running, stopping = RecordedMessage(delivered=3), RecordedMessage(delivered=3)
         await handler._retry_or_give_up(running, write(memory, "First"), outage)  # type: ignore[arg-type]
         handler.stop()
         await handler._retry_or_give_up(stopping, write(memory, "First"), outage)  # type: ignore[arg-type]
     finally:
         await nc.close()
-    assert running.delays == [bus.retry_delay(settings.memories_retry_backoff_s, 3)] and stopping.delays == [None]
+    assert running.settled == [(1, "nak", bus.retry_delay(settings.memories_retry_backoff_s, 3))]
+    assert stopping.settled == [(1, "nak", None)]
 
 
 async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_writes_back_untried(
@@ -875,21 +890,7 @@ async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_w
     # A lane decides its writes one at a time. The writer stopping no longer waits an outage out: the write it
     # stopped goes back, and the memory's later writes, in that lane or in one queued behind it, must go back after
     # it untried: the database back by then, they would be decided before it.
-    settled: list[tuple[int, str]] = []
-
-    class Delivered:  # what the lanes do with each message is the subject of the test: recorded here
-        is_acked = False
-
-        def __init__(self, sequence: int) -> None:
-            self.metadata = SimpleNamespace(num_delivered=1, sequence=SimpleNamespace(stream=sequence))
-            self.sequence = sequence
-
-        async def nak(self, delay: float | None = None) -> None:
-            settled.append((self.sequence, "nak"))
-
-        async def ack(self) -> None:
-            settled.append((self.sequence, "ack"))
-
+    settled: list[tuple[int, str, float | None]] = []
     tried: list[int] = []
     decide_batch = WriteApplier._decide_batch
 
@@ -904,7 +905,7 @@ async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_w
     writes = [write(memory, f"Set-aside fact number {n}") for n in (1, 2, 3)]
     prepared = await applier.prepare(writes)
     monkeypatch.setattr(WriteApplier, "_decide_batch", down_then_back)
-    messages = [Delivered(1), Delivered(2), Delivered(3)]
+    messages = [RecordedMessage(n, settled=settled) for n in (1, 2, 3)]
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(applier, nc, settings, model_lanes=1)
@@ -916,7 +917,7 @@ async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_w
     finally:
         await nc.close()
     assert tried == [1, 1]  # never the second nor the third, though the database was back for them
-    assert settled == [(1, "nak"), (2, "nak"), (3, "nak")]
+    assert settled == [(1, "nak", None), (2, "nak", None), (3, "nak", None)]  # at once, in order
     assert await valid_contents(sessions, memory["id"]) == []
 
 
@@ -962,20 +963,6 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings,
     monkeypatch: pytest.MonkeyPatch, failure: Exception, settled: list[str], dead_lettered: bool,
 ) -> None:
-    class Delivered:  # what the handler does with the message is the subject of the test: recorded here
-        data = b"{}"
-        metadata = SimpleNamespace(num_delivered=settings.memories_max_deliver)
-
-        def __init__(self, subject: str) -> None:
-            self.subject = subject
-            self.settled: list[str] = []
-
-        async def ack(self) -> None:
-            self.settled.append("ack")
-
-        async def nak(self, delay: float | None = None) -> None:
-            self.settled.append("nak")
-
     async def record_fails(*_args: Any) -> AppliedWrite:
         raise failure
 
@@ -985,7 +972,7 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
     nc = await nats.connect(settings.nats_url)
     try:
         handler = WriteHandler(applier, nc, settings, model_lanes=1)
-        message = Delivered(f"{bus.WRITE_SUBJECT_ROOT}.0.{memory['id']}")
+        message = RecordedMessage(delivered=settings.memories_max_deliver, subject=f"{bus.WRITE_SUBJECT_ROOT}.0.{memory['id']}")
         await handler._retry_or_give_up(message, write(memory, "Never applied"), RuntimeError("a bug"))  # type: ignore[arg-type]
         letters = await nc.jetstream().pull_subscribe(bus.dead_letter_subject("writer"), stream=bus.DEAD_LETTER_STREAM)
         parked: list[str] = []
@@ -993,7 +980,7 @@ async def test_a_write_given_up_on_is_acknowledged_only_once_its_failure_is_reco
             parked = [json.loads(m.data)["origin_subject"] for m in await letters.fetch(10_000, timeout=2)]
     finally:
         await nc.close()
-    assert message.settled == settled and (message.subject in parked) is dead_lettered
+    assert [action for _, action, _ in message.settled] == settled and (message.subject in parked) is dead_lettered
 
 
 async def test_a_write_on_a_subject_naming_another_memory_is_answered_failed(
