@@ -96,8 +96,10 @@ def check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def refuse_metadata_grown_as_stored(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """At most METADATA_MAX_BYTES as stored and served, numbers written out (after `check_metadata`)."""
-    if value is not None and len(json_text(value).encode()) + _growth_of_numbers_as_stored(value) > METADATA_MAX_BYTES:
+    """At most METADATA_MAX_BYTES as stored and served, numbers written out (after `check_metadata`, which measured
+    it as sent: measured again only when its numbers grow)."""
+    growth = 0 if value is None else _growth_of_numbers_as_stored(value)
+    if growth and len(json_text(value).encode()) + growth > METADATA_MAX_BYTES:
         raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as JSON, as stored (numbers without exponents)")
     return value
 

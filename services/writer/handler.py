@@ -179,10 +179,10 @@ class WriteHandler:
         """Decide the writes in their order, then acknowledge, answer and announce each. In a lane, each
         decision may wait for its memory and a model; elsewhere the writes that would wait are set aside (`Deferred`).
         A stopping writer hands back, untried, the writes of a memory it handed a write back of."""
-        behind = [i for i, (_, event) in enumerate(batch.events) if event.memory_id in self._handed_back]
+        behind = [message for message, event in batch.events if event.memory_id in self._handed_back]
         if behind:
-            await bus.hand_back([batch.events[i][0] for i in behind])
-            batch = batch.part([i for i in range(len(batch.events)) if i not in set(behind)])
+            await bus.hand_back(behind)
+            batch = batch.part([i for i, (_, event) in enumerate(batch.events) if event.memory_id not in self._handed_back])
         if not batch.events:
             return
         results = await self._decide_through_outages(batch, in_lane=in_lane)

@@ -42,7 +42,6 @@ from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
 
-
 async def load_entry(session: AsyncSession, principal_scope: str | None, entry_id: str) -> MemoryEntry:
     entry = None
     if is_valid_id(entry_id, ENTRY_PREFIX):
