@@ -42,6 +42,11 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
     if not nats_url:
         print(NATS_URL_MISSING, file=sys.stderr)
         return None
+    return on_jetstream(nats_url, work)
+
+
+def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]) -> T:
+    """Run `work` on the bus at `nats_url`; exits 1, in one line, when it cannot be reached."""
 
     async def run() -> T:
         nc = await bus.connect(nats_url, name="memories-cli", one_shot=True)
@@ -74,19 +79,14 @@ def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
     pruned, and the writes the last run's writer held released at once (`bus.release_held_writes`). The refusal,
     when writes of the old count are still queued; None once laid out."""
 
-    async def apply() -> None:
-        nc = await bus.connect(nats_url, name="memories-up", one_shot=True)
-        try:
-            js = nc.jetstream()
-            await bus.ensure_layout(js, settings, sets_partitions=True)
-            await bus.prune_consumers(js, settings)
-            if released := await bus.release_held_writes(js, settings):
-                log.info("%d writes the last run's writer held are queued again, in order", released)
-        finally:
-            await nc.close()
+    async def apply(js: JetStreamContext) -> None:
+        await bus.ensure_layout(js, settings, sets_partitions=True)
+        await bus.prune_consumers(js, settings)
+        if released := await bus.release_held_writes(js, settings):
+            log.info("%d writes the last run's writer held are queued again, in order", released)
 
     try:
-        asyncio.run(apply())
+        on_jetstream(nats_url, apply)
     except bus.PartitionCountMismatch as exc:
         return (
             f"{exc}: start `memories up` once with the count it had, so that its writer decides them, then with "
