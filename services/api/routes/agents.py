@@ -164,7 +164,10 @@ class HistoryRecord(BaseModel):
     entry_id: str
     related_entry_id: str | None
     action: str
-    rule: str | None
+    rule: str | None = Field(
+        description="why: the decision's rule (`exact_copy`, `near_duplicate`, `merged`, a fallback after a colon as in "
+        "`arbitration_failed:merged` or `merged:exact_copy`), or what an edit changed (`changed:tags,metadata`)"
+    )
     score: float | None
     candidate_ids: list[str] | None
     model: str | None
