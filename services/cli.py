@@ -289,6 +289,19 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
             return 1
 
 
+async def _partitions_alike(settings: Settings) -> int:
+    """0 when the bus is laid out for this service's partition count (or not yet laid out); raises
+    PartitionCountMismatch otherwise."""
+    from shared import bus
+
+    nc = await bus.connect(settings.nats_url or "", name="memories-api-check")
+    try:
+        await bus.check_partitions(nc.jetstream(), settings)
+    finally:
+        await nc.close()
+    return 0
+
+
 def _missing_servers(settings: Settings, command: str, *, bus: bool = True) -> bool:
     """A command run on its own needs its servers named (`memories up` starts its own); says so in one line."""
     named = [("DATABASE_URL", settings.database_url)] + ([("NATS_URL", settings.nats_url)] if bus else [])
@@ -307,6 +320,9 @@ def cmd_api(args: argparse.Namespace) -> int:
     settings = get_settings()
     if _missing_servers(settings, "api"):
         return 2
+    # uvicorn reports a failed start with the lifespan's traceback; a count unlike the bus's is said in one line first.
+    if run_service(_partitions_alike(settings)):
+        return 1
     uvicorn.run(
         create_app(settings),
         host=args.host or settings.memories_host,

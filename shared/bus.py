@@ -264,6 +264,11 @@ async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partit
             await _ensure_consumer(js, stream_name, consumer)
 
 
+async def check_partitions(js: JetStreamContext, settings: Settings) -> None:
+    """Raises PartitionCountMismatch unless the bus is laid out for MEMORIES_PARTITIONS (or not laid out yet)."""
+    await _check_partitions(js, settings, sets_partitions=False)
+
+
 async def _check_partitions(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
     """A service starts only with the count the bus is laid out for; `memories bus init` changes it only once
     MEMORY_WRITES is drained (a queued write would land on a partition that changed, or on none)."""

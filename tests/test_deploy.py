@@ -417,10 +417,11 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         assert refused.returncode == 1 and f"laid out for {half} partitions" in refused.stderr
         assert f"prune with MEMORIES_PARTITIONS={half}" in refused.stderr  # not "apply the count", which would change it
         # A service configured for another count refuses to start in one line, not a traceback of 35.
-        extractor = run_memories(["extractor"], nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4),
-                                 DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none")
-        assert extractor.returncode == 1 and f"laid out for {half} partitions" in extractor.stderr, extractor.stderr
-        assert "Traceback" not in extractor.stderr, extractor.stderr
+        for service in ("extractor", "api"):
+            refusal = run_memories([service], nats_cluster, MEMORIES_PARTITIONS=str(partitions // 4),
+                                   DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none")
+            assert refusal.returncode == 1 and f"laid out for {half} partitions" in refusal.stderr, refusal.stderr
+            assert "Traceback" not in refusal.stderr, refusal.stderr
         assert len(await js.consumers_info(bus.WRITES_STREAM)) == partitions
         waiting = bus.writer_durable(partitions - 1)
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partitions - 1}.mem_left", b"{}", stream=bus.WRITES_STREAM)
