@@ -1,4 +1,4 @@
-"""The bus: `memories bus init`, `memories bus status` and `memories bus prune`, and the one way every one-shot
+"""The bus: `memories bus init`, `status`, `reroute` and `prune`, and the one way every one-shot
 command reaches JetStream (the configured NATS, or the local run's)."""
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verbs.add_parser(
         "prune", help="delete consumers the layout no longer has (after lowering the partition count), if idle"
     ).set_defaults(func=cmd_bus_prune)
+    verbs.add_parser(
+        "reroute",
+        help="move the writes queued on partitions beyond the count (sent by a publisher left on the old count) to "
+        "their memory's partition",
+    ).set_defaults(func=cmd_bus_reroute)
 
 
 def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None:
@@ -124,7 +129,10 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
     notes = {"layout": "", "stale": "a partition beyond the count: `memories bus prune`", "other": "not the service's"}
     for state in status.consumers:
         counts = f"{state.pending:>8}  {state.in_flight:>9}  {state.redelivered:>11}"
-        print(f"{state.stream:16}  {state.consumer:{width}}  {counts}  {notes[state.role]}".rstrip())
+        note = notes[state.role]
+        if state.role == "stale" and state.pending and not state.pulling:
+            note = "a partition beyond the count, writes stranded on it: `memories bus reroute`"
+        print(f"{state.stream:16}  {state.consumer:{width}}  {counts}  {note}".rstrip())
     return 0
 
 
@@ -143,6 +151,30 @@ def cmd_bus_prune(_args: argparse.Namespace) -> int:
         print(
             f"kept, messages still wait on them or writers of the old count still pull from them (stop those writers,"
             f" let them drain, then prune again): {', '.join(busy)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def cmd_bus_reroute(_args: argparse.Namespace) -> int:
+    settings = get_settings()
+    try:
+        rerouted = with_jetstream(lambda js: bus.reroute_stranded_writes(js, settings))
+    except bus.PartitionCountMismatch as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if rerouted is None:
+        return 2
+    moved, consumed = rerouted
+    print(
+        f"moved {moved} writes to their memory's partition, each after that memory's writes queued there"
+        + (" (`memories bus prune` deletes the consumers left idle)" if moved else "")
+    )
+    if consumed:
+        print(
+            f"left in place, writers of the old count still consume them (they decide those writes; stop them "
+            f"and reroute again): {', '.join(consumed)}",
             file=sys.stderr,
         )
         return 1

@@ -376,14 +376,7 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
     count still pulls from it (a write it takes after its consumer is gone is stuck): (deleted, kept because busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
     Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
     status = await bus_status(js, settings)
-    if status.partitions is None:
-        raise PartitionCountMismatch("the bus is not laid out yet: nothing to prune (`memories bus init` lays it out)")
-    if status.partitions != settings.memories_partitions:
-        raise PartitionCountMismatch(
-            f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "
-            f"{settings.memories_partitions} here: nothing pruned (prune with MEMORIES_PARTITIONS={status.partitions};"
-            " to change the count, follow docs/operations.md)"
-        )
+    _require_the_recorded_count(status, settings, "prune")
     deleted, busy = [], []
     for state in status.consumers:
         if state.role != "stale":
@@ -394,6 +387,61 @@ async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[lis
             await js.delete_consumer(state.stream, state.consumer)
             deleted.append(state.consumer)
     return deleted, busy
+
+
+def _require_the_recorded_count(status: BusStatus, settings: Settings, verb: str) -> int:
+    """The count the bus is laid out for, when MEMORIES_PARTITIONS is it; else PartitionCountMismatch (a shell's
+    default, a typo: what is beyond the count would be judged by another one)."""
+    if status.partitions is None:
+        raise PartitionCountMismatch(f"the bus is not laid out yet: nothing to {verb} (`memories bus init` lays it out)")
+    if status.partitions != settings.memories_partitions:
+        raise PartitionCountMismatch(
+            f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "
+            f"{settings.memories_partitions} here: nothing done ({verb} with MEMORIES_PARTITIONS={status.partitions};"
+            " to change the count, follow docs/operations.md)"
+        )
+    return status.partitions
+
+
+REROUTED_MSG_ID_PREFIX = "rerouted"
+
+
+async def reroute_stranded_writes(js: JetStreamContext, settings: Settings) -> tuple[int, list[str]]:
+    """Move the writes queued on partitions beyond the count (published after the count was lowered, by a
+    publisher still configured for the old one: no writer takes them) to their memory's partition under the count,
+    where each is decided after that memory's writes queued there already: (writes moved, stale consumers left
+    alone because a writer of the old count still consumes them: it decides their writes).
+    Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
+    status = await bus_status(js, settings)
+    partitions = _require_the_recorded_count(status, settings, "reroute")
+    consumed = {
+        state.consumer for state in status.consumers if state.role == "stale" and (state.in_flight or state.pulling)
+    }
+    queued = (await js.stream_info(WRITES_STREAM, subjects_filter=f"{WRITE_SUBJECT_ROOT}.>")).state.subjects or {}
+    moved = 0
+    for subject in queued:
+        partition, _, memory_id = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
+        if not partition.isdigit() or int(partition) < partitions or writer_durable(int(partition)) in consumed:
+            continue
+        sequence = 1
+        while True:
+            try:
+                stranded = await js.get_msg(WRITES_STREAM, seq=sequence, subject=subject, next=True)
+            except NotFoundError:
+                break
+            assert stranded.seq is not None
+            # Its own message id: moved twice (a crash before the delete, then a second run), the second is a
+            # duplicate the stream drops within its window; past the window the writer's record of the write is.
+            await js.publish(
+                write_subject(memory_id, partitions),
+                stranded.data or b"",
+                stream=WRITES_STREAM,
+                headers={"Nats-Msg-Id": f"{REROUTED_MSG_ID_PREFIX}.{stranded.seq}"},
+            )
+            await js.delete_msg(WRITES_STREAM, stranded.seq)
+            moved += 1
+            sequence = stranded.seq + 1
+    return moved, sorted(consumed, key=_listing_order)
 
 
 async def release_held_writes(js: JetStreamContext, settings: Settings) -> int:

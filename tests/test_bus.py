@@ -210,3 +210,53 @@ def test_the_local_run_releases_the_writes_its_last_writer_held(tmp_path: Path) 
     with EmbeddedNats(tmp_path / "nats") as server:  # the next `memories up`
         assert lay_out_for_the_local_run(server.url, settings) is None
         assert asyncio.run(consumer_of(server.url)) == (0, 2)  # to be delivered now, not after the ack wait
+
+
+def _memory_on(partition: int, partitions: int, prefix: str) -> str:
+    return next(m for i in range(1000) if bus.partition_of(m := f"mem_{prefix}{i:04d}", partitions) == partition)
+
+
+async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys_partition(tmp_path: Path) -> None:
+    # A publisher left on the old count after it was lowered from 8 to 4 (docs/operations.md): its writes land on
+    # partitions no writer of the new count takes, and stayed there (each caller was told 202).
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus.connect(server.url, name="test-reroute")
+        try:
+            js = nc.jetstream()
+            await bus.ensure_layout(js, Settings(memories_partitions=8))
+            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
+            kept, orphaned, consumed = _memory_on(6, 8, "k"), _memory_on(7, 8, "o"), _memory_on(5, 8, "c")
+            for memory_id, body in ((kept, b"first"), (kept, b"second"), (consumed, b"taken")):
+                await js.publish(bus.write_subject(memory_id, 8), body, stream=bus.WRITES_STREAM)
+            assert (await bus.prune_consumers(js, Settings(memories_partitions=4)))[1] == ["writer-p5", "writer-p6"]
+            await js.publish(bus.write_subject(orphaned, 8), b"orphan", stream=bus.WRITES_STREAM)  # no consumer left
+            # A writer of the old count still consumes partition 5: it has its write in hand, and decides it.
+            old_writer = await nc.subscribe(nc.new_inbox())
+            pull = {"batch": 1, "expires": 30_000_000_000, "group": bus.WRITERS_GROUP}
+            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.writer-p5", json.dumps(pull).encode(),
+                             reply=old_writer.subject)
+            assert (await old_writer.next_msg(timeout=5)).data == b"taken"
+
+            with pytest.raises(bus.PartitionCountMismatch, match="reroute with MEMORIES_PARTITIONS=4"):
+                await bus.reroute_stranded_writes(js, Settings(memories_partitions=8))
+            moved, left = await bus.reroute_stranded_writes(js, Settings(memories_partitions=4))
+            assert (moved, left) == (3, ["writer-p5"])
+
+            async def bodies(subject: str) -> list[bytes]:
+                found, sequence = [], 1
+                while True:
+                    try:
+                        message = await js.get_msg(bus.WRITES_STREAM, seq=sequence, subject=subject, next=True)
+                    except nats.js.errors.NotFoundError:
+                        return found
+                    found.append(message.data)
+                    sequence = (message.seq or 0) + 1
+
+            assert await bodies(bus.write_subject(kept, 4)) == [b"first", b"second"]  # in their order
+            assert await bodies(bus.write_subject(orphaned, 4)) == [b"orphan"]
+            assert await bodies(bus.write_subject(kept, 8)) == await bodies(bus.write_subject(orphaned, 8)) == []
+            assert await bodies(bus.write_subject(consumed, 8)) == [b"taken"]  # its writer's to decide
+            # Nothing stranded is left: a second run moves nothing.
+            assert await bus.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
+        finally:
+            await nc.close()

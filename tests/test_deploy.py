@@ -436,14 +436,18 @@ async def test_bus_init_applies_the_compose_layout_to_a_three_node_cluster(nats_
         left = {c.name for c in await js.consumers_info(bus.WRITES_STREAM)}
         assert left == {bus.writer_durable(p) for p in range(partitions // 2)} | {waiting, pulled}
         assert "crm-sync" in {c.name for c in await js.consumers_info(bus.EVENTS_STREAM)}
+        # The write stranded on the dropped partition goes to its memory's partition under the count; the one a
+        # writer of the old count still pulls from is left to it, and named.
+        status = run_bus("status", nats_cluster, MEMORIES_PARTITIONS=half)
+        assert any(waiting in line and "`memories bus reroute`" in line for line in status.stdout.splitlines())
+        rerouted = run_bus("reroute", nats_cluster, MEMORIES_PARTITIONS=half)
+        assert rerouted.returncode == 1 and "moved 1 writes" in rerouted.stdout and pulled in rerouted.stderr
+        moved = await js.get_msg(bus.WRITES_STREAM, seq=1, subject=bus.write_subject("mem_left", int(half)), next=True)
+        await js.delete_msg(bus.WRITES_STREAM, moved.seq or 0)
         pulling.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await pulling
         await old_writer.close()
-        drained = PinnedPull(nc, partitions - 1)
-        [message] = await drained.fetch(batch=1, wait_s=5)
-        await message.ack_sync()
-        await drained.close()
         for consumer in (pulled, waiting):  # their pull requests expire
             while (await js.consumer_info(bus.WRITES_STREAM, consumer)).num_waiting:
                 await asyncio.sleep(0.2)
