@@ -137,45 +137,45 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_prune(_args: argparse.Namespace) -> int:
-    settings = get_settings()
-    try:
-        pruned = with_jetstream(lambda js: bus.prune_consumers(js, settings))
-    except bus.PartitionCountMismatch as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    if pruned is None:
-        return 2
-    deleted, busy = pruned
+    deleted, busy = _on_the_recorded_count(bus.prune_consumers)
     print(f"deleted: {', '.join(deleted) or 'none'}")
-    if busy:
-        print(
-            f"kept, messages still wait on them or writers of the old count still pull from them (stop those writers,"
-            f" let them drain, then prune again): {', '.join(busy)}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return _refused_for(
+        busy,
+        "kept, messages still wait on them or writers of the old count still pull from them (stop those writers, let "
+        "them drain, then prune again)",
+    )
 
 
 def cmd_bus_reroute(_args: argparse.Namespace) -> int:
-    settings = get_settings()
-    try:
-        rerouted = with_jetstream(lambda js: bus.reroute_stranded_writes(js, settings))
-    except bus.PartitionCountMismatch as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    if rerouted is None:
-        return 2
-    moved, consumed = rerouted
+    moved, consumed = _on_the_recorded_count(bus.reroute_stranded_writes)
     print(
         f"moved {moved} writes to their memory's partition, each after that memory's writes queued there"
         + (" (`memories bus prune` deletes the consumers left idle)" if moved else "")
     )
-    if consumed:
-        print(
-            f"left in place, writers of the old count still consume them (they decide those writes; stop them "
-            f"and reroute again): {', '.join(consumed)}",
-            file=sys.stderr,
-        )
+    return _refused_for(
+        consumed,
+        "left in place, writers of the old count still consume them (they decide those writes; stop them and reroute "
+        "again)",
+    )
+
+
+def _on_the_recorded_count(work: Callable[[JetStreamContext, Settings], Awaitable[T]]) -> T:
+    """`work` with this configuration, whose partition count must be the one the bus is laid out for: exits 1,
+    saying why, when it is not (`bus.PartitionCountMismatch`), and 2 when no bus is configured."""
+    settings = get_settings()
+    try:
+        done = with_jetstream(lambda js: work(js, settings))
+    except bus.PartitionCountMismatch as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(1) from None
+    if done is None:
+        raise SystemExit(2)
+    return done
+
+
+def _refused_for(consumers: list[str], why: str) -> int:
+    """Exit status 1, the consumers named, when any was left alone."""
+    if consumers:
+        print(f"{why}: {', '.join(consumers)}", file=sys.stderr)
         return 1
     return 0
