@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from shared.db.models import AiProvider, GenerationExtraction, LlmUsage, ModelRoute, ProjectSettings
 from shared.ids import new_id
 from shared.providers import Provider
-from shared.repository import visible
+from shared.repository import lock_key, visible
 
 if TYPE_CHECKING:
     from shared.extraction import ExtractionResult
@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 
 PROVIDER_PREFIX = "aip_"
 ROUTE_PREFIX = "route_"
+
+
+async def lock_registry(session: AsyncSession, project_id: str) -> None:
+    """Until the transaction ends, no other change of the project's providers, routes or default route: what a
+    change checks (a route's targets exist, no route names a provider being deleted, the default route exists)
+    still holds when it commits. Creating a provider needs it not: nothing refers to a new one yet."""
+    await lock_key(session, f"registry:{project_id}")
 
 
 async def create_provider(session: AsyncSession, project_id: str, **values: Any) -> AiProvider:

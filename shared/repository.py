@@ -212,6 +212,11 @@ async def lock_memories(session: AsyncSession, memory_ids: Iterable[str]) -> Non
     await _lock_keys(session, memory_ids, shared=False)
 
 
+async def lock_key(session: AsyncSession, key: str) -> None:
+    """An advisory lock on any text key until the transaction ends (a memory's id is one such key)."""
+    await _lock_keys(session, [key], shared=False)
+
+
 async def lock_memories_unless_busy(session: AsyncSession, memory_ids: Iterable[str]) -> set[str]:
     """`lock_memories` without waiting: locks those no other transaction holds and returns the others, busy
     (another writer replica deciding on them, maybe waiting on a model; an API edit)."""

@@ -17,7 +17,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.provenance import ProvenanceHandler
-from shared import bus
+from shared import bus, registry
 from shared import repository as repo
 from shared.embeddings import LOCAL_MODEL, cosine, embed_texts
 from shared.events import (
@@ -793,6 +793,51 @@ async def test_a_tool_call_merges_with_the_projects_registered_provider_or_defau
     unknown = await write("Customer prefers SMS over phone calls, in the evening, on weekdays",
                           {**pinned, "ai_provider_id": "aip_0000000000000000"})
     assert unknown["action"] == "created", unknown
+
+
+async def test_registry_changes_of_a_project_hold_what_they_checked_until_they_commit(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # Checked, then changed, each in its own transaction: a route named a provider deleted meanwhile (every call it
+    # served failed, silently), and a default route deleted meanwhile was a foreign-key violation (a 500).
+    project_id = project["id"]
+    provider = (await client.post("/ai-providers", json={"project_id": project_id, "name": "p",
+                                                          "provider": "scripted"})).json()
+    async with sessions.begin() as session:
+        await registry.lock_registry(session, project_id)  # a route being created, its targets checked
+        deleting = asyncio.create_task(client.delete(f"/ai-providers/{provider['id']}"))
+        await wait_until_blocked_by(session, "deleting the provider")
+        route = await registry.create_route(session, project_id, "racing", [{"ai_provider_id": provider["id"]}])
+    deleted = await deleting
+    assert deleted.status_code == 409 and deleted.json()["error"]["meta"]["model_route_ids"] == [route.id]
+
+    async with sessions.begin() as session:
+        await registry.lock_registry(session, project_id)  # the route being deleted
+        defaulting = asyncio.create_task(client.put(f"/projects/{project_id}/default-model-route",
+                                                    json={"model_route_id": route.id}))
+        await wait_until_blocked_by(session, "setting the default route")
+        await registry.delete_route(session, route)
+    assert (await defaulting).status_code == 404
+
+    second = (await client.post("/model-routes", json={"project_id": project_id, "name": "second",
+                                                       "targets": [{"ai_provider_id": provider["id"]}]})).json()
+    async with sessions.begin() as session:
+        await registry.lock_registry(session, project_id)  # the route being made the default
+        deleting = asyncio.create_task(client.delete(f"/model-routes/{second['id']}"))
+        await wait_until_blocked_by(session, "deleting the route")
+        await registry.set_default_route(session, project_id, second["id"])
+    assert (await deleting).status_code == 204
+    async with sessions() as session:
+        assert await registry.get_default_route(session, project_id) is None  # cleared with the route it named
+
+    async with sessions.begin() as session:
+        await registry.lock_registry(session, project_id)  # the provider being deleted
+        creating = asyncio.create_task(client.post("/model-routes", json={
+            "project_id": project_id, "name": "late", "targets": [{"ai_provider_id": provider["id"]}]}))
+        await wait_until_blocked_by(session, "creating a route")
+        await registry.delete_provider(session, await registry.get_provider(session, project_id, provider["id"]))
+    refused = await creating
+    assert refused.status_code == 404 and refused.json()["error"]["message"] == f"AI provider {provider['id']} not found"
 
 
 async def test_the_registrys_lists_are_paged_like_every_list(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:

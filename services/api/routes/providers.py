@@ -90,6 +90,7 @@ async def delete_provider(provider_id: str, session: SessionDep, _admin: AdminDe
     provider = await registry.get_provider(session, None, provider_id)
     if provider is None:
         raise not_found("AI provider", provider_id)
+    await registry.lock_registry(session, provider.project_id)  # no route is created to name it meanwhile
     # A route left naming it would fail every call it serves, silently: the route must go or change first.
     using = [r.id for r in await registry.list_routes(session, provider.project_id)
              if any(t.get("ai_provider_id") == provider.id for t in r.targets)]
@@ -104,9 +105,10 @@ async def delete_provider(provider_id: str, session: SessionDep, _admin: AdminDe
 @router.post("/model-routes", status_code=status.HTTP_201_CREATED, summary="A route: ordered failover targets")
 async def create_route(body: RouteCreate, session: SessionDep, admin: AdminDep) -> RouteOut:
     project_id = await resolve_project(session, admin, body.project_id)
+    await registry.lock_registry(session, project_id)  # no target deleted meanwhile
     for target in body.targets:
         if await registry.get_provider(session, project_id, target.ai_provider_id) is None:
-            raise ApiError(400, f"target provider {target.ai_provider_id} is not a provider of this project")
+            raise not_found("AI provider", target.ai_provider_id)  # as any unknown id, here a route's target
     targets = [t.model_dump() for t in body.targets]
     route = await registry.create_route(session, project_id, body.name, targets)
     await session.commit()
@@ -127,6 +129,7 @@ async def delete_route(route_id: str, session: SessionDep, _admin: AdminDep) -> 
     route = await registry.get_route(session, None, route_id)
     if route is None:
         raise not_found("model route", route_id)
+    await registry.lock_registry(session, route.project_id)  # not made the default meanwhile
     await registry.delete_route(session, route)
     await session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -135,6 +138,7 @@ async def delete_route(route_id: str, session: SessionDep, _admin: AdminDep) -> 
 @router.put("/projects/{project_id}/default-model-route", summary="Set or clear the project's default route")
 async def set_default_route(project_id: str, body: DefaultRoute, session: SessionDep, admin: AdminDep) -> DefaultRoute:
     project = await resolve_project(session, admin, project_id)
+    await registry.lock_registry(session, project)  # the route not deleted meanwhile
     if body.model_route_id is not None and await registry.get_route(session, project, body.model_route_id) is None:
         raise not_found("model route", body.model_route_id)
     await registry.set_default_route(session, project, body.model_route_id)
