@@ -270,7 +270,9 @@ async def test_a_body_without_the_json_content_type_is_explained(client: httpx.A
      {"messages": [{"role": "user", "content": "Hi\u0000"}]}, {"messages": [{"role": "us\u0000er", "content": "Hi"}]},
      {"output": "Noted\u0000"}, {"agent": {"id": "agent\u0000", "model": "m"}}, {"status": "done\u0000"},
      {"agent": {"id": "agent_1", "knowledge_config": {"extraction": {"enabled": True, "prompt": "p\u0000"}}}},
-     {"generation_id": "\u200b"}],  # an id no one can see, or type
+     {"generation_id": "\u200b"},  # an id no one can see, or type
+     # Accepted, it could not be forgotten: an empty one is refused by the forgetting route.
+     {"conversation_id": ""}, {"conversation_id": " \u200b "}],
 )
 async def test_a_completed_turn_is_validated_before_it_is_published(
     client: httpx.AsyncClient, memory: dict[str, Any], fields: dict[str, Any]
@@ -283,6 +285,18 @@ async def test_a_completed_turn_is_validated_before_it_is_published(
     meta = response.json()["error"]["meta"]
     named = [problem["field"] for problem in meta.get("invalid_fields", [])] + meta.get("unknown_fields", [])
     assert named and all(field.startswith(next(iter(fields))) for field in named), meta
+
+
+@pytest.mark.parametrize("generation_id", ["", "   ", "\u200b", "gen 1", "g" * 256])
+async def test_a_tool_calls_generation_id_is_held_to_the_rule_of_a_completed_turns(
+    client: httpx.AsyncClient, memory: dict[str, Any], generation_id: str
+) -> None:
+    # It took any text: "   " was stored as the entry's generation, which no forgetting could name.
+    body = {"project_id": memory["project_id"], "content": "Cats purr loudly", "generation_id": generation_id,
+            "agent": {"id": "agent_1", "knowledge_config": {"write_memory_id": memory["id"]}}}
+    response = await client.post("/tools/write_memory", json=body)
+    assert_envelope(response, 400)
+    assert [problem["field"] for problem in response.json()["error"]["meta"]["invalid_fields"]] == ["generation_id"]
 
 
 async def test_a_generation_id_with_a_slash_can_be_looked_up_and_forgotten_an_empty_one_cannot(

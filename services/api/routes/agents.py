@@ -27,7 +27,7 @@ from services.api.schemas import Strict, Tags, Timestamp, WrittenMetadata
 from shared import registry
 from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
-from shared.events import CONTENT_MAX_CHARS, SourceType, Text, WrittenContent
+from shared.events import CONTENT_MAX_CHARS, GenerationId, SourceType, WrittenContent
 from shared.ids import MEMORY_PREFIX, is_valid_id
 from shared.providers import ResolutionError, agent_for_merges
 from shared.tools import NO_WRITE_MEMORY, WRITE_MEMORY_TOOL, call_write_memory
@@ -44,7 +44,7 @@ class WriteMemoryCall(Strict):
         WithJsonSchema({"type": "string", "maxLength": CONTENT_MAX_CHARS, "description": "the fact, as the model gave it"}),
     ] = None
     agent: AgentSpec
-    generation_id: Text | None = Field(default=None, min_length=1, max_length=255)
+    generation_id: GenerationId | None = None
     memory_id: str | None = Field(default=None, description="if given, must be the agent's write_memory_id")
     project_id: str | None = None
 

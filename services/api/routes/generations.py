@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, Field, StrictBool, ValidationError, field_validator
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, require, resolve_project
 from services.api.errors import ApiError, not_found
@@ -17,12 +17,12 @@ from shared import bus, registry
 from shared.agents import KnowledgeConfig
 from shared.events import (
     ChatMessage,
+    ConversationId,
     ExtractionSummary,
     GenerationAgent,
     GenerationCompleted,
-    Text,
+    GenerationId,
     UtcDatetime,
-    refuse_blank,
     refuse_nul,
     utcnow,
 )
@@ -33,10 +33,8 @@ router = APIRouter(prefix="/generations", tags=["extraction"], route_class=Check
 
 class CompletedTurn(Strict):
     project_id: str | None = None
-    generation_id: Annotated[str, AfterValidator(refuse_blank)] = Field(
-        min_length=1, max_length=255, pattern=r"^[^\s\x00]+$"
-    )
-    conversation_id: Text | None = Field(default=None, max_length=255)
+    generation_id: GenerationId
+    conversation_id: ConversationId | None = None
     agent: GenerationAgent
     extract: StrictBool | None = None
     streamed: StrictBool = False
@@ -62,13 +60,6 @@ class CompletedTurn(Strict):
             refuse_nul(message.role)
             refuse_nul(message.content or "")
         return messages
-
-    @field_validator("agent")
-    @classmethod
-    def _no_nul_in_agent(cls, agent: GenerationAgent) -> GenerationAgent:
-        for value in (agent.id, agent.model, agent.ai_provider_id, agent.model_route_id):
-            refuse_nul(value or "")
-        return agent
 
 
 class ExtractionStatus(BaseModel):
