@@ -9,7 +9,7 @@ import string
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import (
     JSON,
@@ -137,20 +137,28 @@ def visible(row: Any, project_id: str | None) -> Any:
     return row if row is not None and project_id in (None, row.project_id) else None
 
 
+MemoryLock = Literal["row", "decisions"]
+
+
 async def get_memory(
-    session: AsyncSession, project_id: str | None, memory_id: str, *, for_change: bool = False
+    session: AsyncSession, project_id: str | None, memory_id: str, *, lock: MemoryLock | None = None
 ) -> Memory | None:
-    """`for_change`: locked for the rest of the transaction, the memory's decisions (`lock_memory`: writer
-    decisions and entry edits wait) and then its row (other edits and deletes of the memory wait), in the
-    writer's order; one that finds it deleted meanwhile sees it gone."""
-    if not for_change:
+    """The memory, locked for the rest of the transaction with `lock`: "row", its row (other edits and deletes of
+    the memory wait; writer decisions, which only read it, do not); "decisions", the memory's decisions first
+    (`lock_memory`: writer decisions and entry edits wait), then its row, in the writer's order. One that finds it
+    deleted meanwhile sees it gone."""
+    if lock is None:
         return visible(await session.get(Memory, memory_id), project_id)
     if project_id is not None and await get_memory_project(session, memory_id) != project_id:
         # Told before the lock is waited for: another project's busy memory must not be a wait and a 503
         # where an absent one is a 404 (a memory never changes project).
         return None
-    await lock_memory(session, memory_id)
-    return visible(await session.get(Memory, memory_id, with_for_update=True, populate_existing=True), project_id)
+    row_lock: bool | dict[str, bool] = True  # FOR UPDATE, as a delete takes
+    if lock == "decisions":
+        await lock_memory(session, memory_id)
+    else:  # FOR NO KEY UPDATE: an entry being inserted (its foreign key's share of the row) neither waits nor is waited for
+        row_lock = {"key_share": True}
+    return visible(await session.get(Memory, memory_id, with_for_update=row_lock, populate_existing=True), project_id)
 
 
 _SELECT_MEMORY_PROJECT = select(Memory.project_id).where(Memory.id == bindparam("id"))

@@ -427,7 +427,8 @@ class WriteApplier:
             assert retired is not None
         # A replacement states the same subject, so it keeps the retired entry's labels: a search filtered
         # by them must find what holds now.
-        tags, metadata = _labels_taken_over(retired, event) if retired else (event.tags, event.metadata)
+        # No tags and no metadata are stored as none, however sent ([] and {} too), as an edit stores them.
+        tags, metadata = _labels_taken_over(retired, event) if retired else (event.tags or None, event.metadata or None)
         entry_id = await repo.insert_entry(
             session,
             memory_id=event.memory_id,

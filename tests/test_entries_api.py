@@ -273,6 +273,18 @@ async def test_an_empty_edit_changes_nothing(client: httpx.AsyncClient, memory: 
     assert [record["action"] for record in history] == ["created"]
 
 
+async def test_no_tags_and_no_metadata_are_one_value_however_sent(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # Written as [] and {} they were stored so, an edit stored them as none, and an edit of [] into [] was recorded
+    # as a change of the tags (and moved updated_at).
+    entry = (await write(client, memory["id"], "A fact without labels", tags=[], metadata={})).json()
+    assert entry["tags"] is None and entry["metadata"] is None
+    url = f"/memory-entries/{entry['id']}"
+    edited = (await client.put(url, json={"tags": [], "metadata": {}})).json()
+    assert edited["updated_at"] == entry["updated_at"]
+    history = (await client.get(f"{url}/history")).json()["data"]
+    assert [record["action"] for record in history] == ["created"]
+
+
 async def test_an_edits_record_names_what_it_changed(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
     # A tags-only edit was recorded with the same text before and after, and nothing else: an edit of nothing.
     entry = (await write(client, memory["id"], "A fact to relabel", tags=["draft"])).json()

@@ -125,6 +125,36 @@ async def test_update_applies_only_present_fields(client: httpx.AsyncClient, pro
     assert unknown.status_code == 400 and unknown.json()["error"]["meta"]["unknown_fields"] == ["nme"]
 
 
+async def test_an_update_that_changes_nothing_keeps_updated_at(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # The same name sent again moved updated_at, as if the memory had changed.
+    url = f"/memories/{memory['id']}"
+    same = (await client.put(url, json={"name": memory["name"], "write_policy": memory["write_policy"]})).json()
+    assert same["updated_at"] == memory["updated_at"]
+    assert (await client.put(url, json={"name": "renamed"})).json()["updated_at"] > memory["updated_at"]
+
+
+async def test_an_update_does_not_wait_for_a_decision_on_the_memory(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A rename waited behind a merge asking its model (the memory's decisions lock) and, past the lock timeout, was a
+    # 503: it changes nothing a decision reads. A delete still waits for the decision (its entries go).
+    url = f"/memories/{memory['id']}"
+    async with sessions.begin() as session:
+        await repo.lock_memory(session, memory["id"])  # a writer deciding on the memory
+        await repo.insert_entry(
+            session, memory_id=memory["id"], project_id=memory["project_id"], content="Being decided",
+            content_hash="h", embedding=[1.0] + [0.0] * 383, embedding_model="m", source_type="manual", tags=None,
+            metadata_=None, source_generation_id=None, source_conversation_id=None,
+        )
+        renamed = await asyncio.wait_for(client.put(url, json={"name": "renamed", "write_policy": "arbitrate"}), 5)
+        assert renamed.status_code == 200 and renamed.json()["name"] == "renamed", renamed.text
+        deleting = asyncio.create_task(client.delete(url))
+        await wait_until_blocked_by(session, "deleting the memory")
+    assert (await deleting).status_code == 204
+
+
 async def _names(client: httpx.AsyncClient, project_id: str, *patterns: str) -> list[str]:
     response = await client.get("/memories", params={"project_id": project_id, "tags": list(patterns)})
     assert response.status_code == 200, response.text

@@ -222,7 +222,7 @@ async def update_entry(
     if "tags" in body.model_fields_set:
         changes["tags"] = body.tags or None
     if "metadata" in body.model_fields_set:
-        changes["metadata_"] = body.metadata
+        changes["metadata_"] = body.metadata or None
     content = body.content
     if "content" in body.model_fields_set and content is None:
         raise invalid("content cannot be null", "content")
@@ -244,7 +244,8 @@ async def update_entry(
             embedding_model=settings.embedding_model,
         )
     # What the edit changes, named in its audit record: a tags-only edit read as an edit that changed nothing.
-    changed = [name for name, column in _EDITABLE if column in changes and changes[column] != getattr(entry, column)]
+    # An entry stored with [] or {} (before writes stored them as none) has none to change either.
+    changed = [name for name, column in _EDITABLE if column in changes and changes[column] != (getattr(entry, column) or None)]
     if not changed:  # nothing asked for, or nothing new: no new updated_at, no audit record of an edit that did nothing
         return EntryOut.of(entry)
     entry = await repo.update_entry(session, entry, changes)

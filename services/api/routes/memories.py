@@ -31,13 +31,13 @@ router = APIRouter(prefix="/memories", tags=["memories"], route_class=CheckedRou
 
 
 async def load_memory(
-    session: AsyncSession, principal_scope: str | None, memory_id: str, *, for_change: bool = False
+    session: AsyncSession, principal_scope: str | None, memory_id: str, *, lock: repo.MemoryLock | None = None
 ) -> Memory:
-    """The memory, or a 404 whether it is absent, malformed or another project's (`for_change`: see
+    """The memory, or a 404 whether it is absent, malformed or another project's (`lock`: see
     `repository.get_memory`)."""
     memory = None
     if is_valid_id(memory_id, MEMORY_PREFIX):
-        memory = await repo.get_memory(session, principal_scope, memory_id, for_change=for_change)
+        memory = await repo.get_memory(session, principal_scope, memory_id, lock=lock)
     if memory is None:
         raise not_found("memory", memory_id)
     return memory
@@ -109,14 +109,17 @@ async def get_memory(memory_id: str, session: ReadSessionDep, principal: Princip
 async def update_memory(
     memory_id: str, body: MemoryUpdate, session: SessionDep, principal: PrincipalDep
 ) -> MemoryOut:
-    memory = await load_memory(session, scope(principal), memory_id, for_change=True)
+    # Its row only: a decision in progress (a merge waiting on its model) reads the memory as it was, and a change
+    # of its write policy applies to the writes decided after this commits.
+    memory = await load_memory(session, scope(principal), memory_id, lock="row")
     changes = {field: getattr(body, field) for field in body.model_fields_set}
     for required in ("name", "write_policy"):
         if required in changes and changes[required] is None:
             raise invalid(f"{required} cannot be null", required)
     if "write_policy" in changes:
         changes["write_policy"] = changes["write_policy"].value
-    if not changes:  # nothing asked for: updated_at keeps saying when something last changed
+    changes = {field: value for field, value in changes.items() if value != getattr(memory, field)}
+    if not changes:  # nothing asked for, or nothing new: updated_at keeps saying when something last changed
         return MemoryOut.of(memory)
     memory = await repo.update_memory(session, memory, changes)
     await session.commit()
@@ -132,7 +135,7 @@ async def update_memory(
 async def delete_memory(
     memory_id: str, request: Request, session: SessionDep, principal: PrincipalDep
 ) -> Response:
-    memory = await load_memory(session, scope(principal), memory_id, for_change=True)
+    memory = await load_memory(session, scope(principal), memory_id, lock="decisions")
     await repo.delete_memory(session, memory)
     await session.commit()
     # Other API processes still remember it; their writes to it are refused by the writer instead.
