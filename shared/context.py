@@ -7,6 +7,7 @@ An agent platform in Python calls `reference_context` with its own session; the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,17 @@ def render_block(hits: Sequence[KnowledgeHit]) -> str:
     lines = [f"[Memory: {_inline(hit.memory_name)} ({hit.entry_id})] {_inline(hit.content)}" for hit in hits]
     # The contract's order: the preamble, then the results wrapped in the tags.
     return "\n".join([PREAMBLE, "<knowledge>", *lines, "</knowledge>"])
+
+
+_BLOCK = re.compile(re.escape(PREAMBLE) + r"(\s*<knowledge>.*?(</knowledge>|\Z))?", re.DOTALL)
+"""A rendered block, wherever it stands, to its end (no entry inside can hold "</knowledge>": `_inline` escapes
+markup) or the text's (a platform cut it short)."""
+
+
+def without_reference_context(text: str) -> str:
+    """A message's text without the blocks this service rendered: a platform may send the block as a message of
+    its own or put it before (or after) the user's words in one."""
+    return _BLOCK.sub("", text).strip() if PREAMBLE in text else text
 
 
 def reference_message(hits: Sequence[KnowledgeHit]) -> dict[str, str] | None:

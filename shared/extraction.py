@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import registry
 from shared import repository as repo
 from shared.agents import ExtractionConfig, KnowledgeConfig
-from shared.context import PREAMBLE
+from shared.context import without_reference_context
 from shared.events import (
     CONTENT_MAX_CHARS,
     ExtractionSummary,
@@ -96,9 +96,9 @@ def transcript_lines(event: GenerationCompleted) -> list[str]:
     would copy read-only memories into the write memory). Line breaks are folded, so that no message can
     forge a line of another role."""
     said = [
-        (role, m.content) for m in event.messages
-        if m.content and (role := _one_line(m.role)).strip().casefold() not in NOT_SAID
-        and not m.content.startswith(PREAMBLE)
+        (role, content) for m in event.messages
+        if (role := _one_line(m.role)).strip().casefold() not in NOT_SAID
+        and (content := without_reference_context(m.content or ""))
     ]
     if event.output and (not event.messages or event.messages[-1].content != event.output):
         said.append(("assistant", event.output))

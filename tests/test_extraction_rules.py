@@ -112,6 +112,19 @@ def test_the_transcript_is_what_was_said_one_line_a_message() -> None:
     ]
 
 
+
+def test_the_reference_context_is_left_out_of_a_message_that_also_holds_the_users_words() -> None:
+    # Platforms put the block before the user's words in one message: the whole message was left out, the user's
+    # new facts with it; and a block after a line break was not recognised, its stored facts extracted again.
+    reference = PREAMBLE + "\n<knowledge>\n[Memory: Notes (mem_entry_1)] Alice is allergic to peanuts\n</knowledge>"
+    said = turn(TARGET, output=None, messages=[
+        {"role": "user", "content": f"{reference}\n\nI just moved to Porto"},
+        {"role": "user", "content": f"\n{reference}"},
+        {"role": "user", "content": f"I am vegan now. {reference} And I cycle to work."},
+    ])
+    assert transcript_lines(said) == ["user: I just moved to Porto", "user: I am vegan now.  And I cycle to work."]
+
+
 def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
     """OpenAI's APIs give a message's content as a list of parts; such a turn was a 400 as a whole."""
     parts = turn(TARGET, output=None, messages=[
