@@ -74,14 +74,23 @@ def describe_failure(exc: BaseException, *secrets: str | None) -> str:
     return text if len(text) <= FAILURE_MAX_CHARS else text[: FAILURE_MAX_CHARS - 1] + "…"
 
 
+NO_KEY = "no-key"
+"""The key sent to a provider's own address when it names none: litellm would otherwise send the key its provider
+prefix reads from the environment (OPENAI_API_KEY, say), the operator's, to that address."""
+
+
 def provider_key(variable: str | None) -> str | None:
     """The key a provider names by its variable; never one of the service's own settings (the admin token,
-    the database URL): a provider's endpoint would receive it."""
+    the database URL): a provider's endpoint would receive it. A variable that is not set is a failure, not
+    no key: litellm would fall back to the environment's key for the model's provider, sent to this address."""
     if not variable:
         return None
     if is_service_variable(variable):
         raise LlmError(f"api_key_env {variable!r} names a setting of the service, not a provider key")
-    return os.environ.get(variable)
+    key = os.environ.get(variable)
+    if not key:
+        raise LlmError(f"api_key_env {variable!r} is not set in the service's environment: the provider's key is missing")
+    return key
 
 
 def _litellm() -> Any:
@@ -104,7 +113,7 @@ async def complete(
     """One temperature-0 completion. Raises LlmError on any failure."""
     litellm = _litellm()
     # The provider key is named, never stored: the event carries the variable's name only.
-    api_key = provider_key(agent.api_key_env)
+    api_key = provider_key(agent.api_key_env) or (NO_KEY if agent.api_base else None)
     try:
         with metrics.track_llm(agent.model, purpose) as call:
             # litellm's `timeout` bounds each network read, not the call: a provider trickling its answer

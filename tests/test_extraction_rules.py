@@ -23,7 +23,7 @@ from shared.extraction import (
     parse_candidates,
     transcript_lines,
 )
-from shared.llm import FAILURE_MAX_CHARS, LlmError, complete, describe_failure
+from shared.llm import FAILURE_MAX_CHARS, NO_KEY, LlmError, complete, describe_failure
 from shared.providers import Provider, ResolutionError, Target, resolve_targets
 from shared.settings import Settings
 
@@ -302,6 +302,45 @@ async def test_a_model_that_trickles_its_answer_fails_within_its_timeout(monkeyp
     finally:
         server.close()
     assert time.monotonic() - started < 10
+
+
+async def test_a_providers_own_address_receives_its_own_key_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A provider naming a variable that is not set (a typo, a secret missing on one replica), or naming none, was
+    # sent litellm's fallback for its prefix: the operator's OPENAI_API_KEY, to the provider's address.
+    received: list[str] = []
+    answer = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+    async def endpoint(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = next(int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length"))
+        await reader.readexactly(length)
+        received.extend(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                        if line.lower().startswith("authorization:"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                     + str(len(answer)).encode() + b"\r\nconnection: close\r\n\r\n" + answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(endpoint, "127.0.0.1", 0)
+    address = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-operator")
+    monkeypatch.setenv("ACME_KEY", "sk-acme")
+    monkeypatch.delenv("ACME_KEY_TYPO", raising=False)
+
+    async def ask(**agent: Any) -> None:
+        agent = {"model": "openai/gpt-4o-mini", "api_base": address, **agent}
+        await complete([{"role": "user", "content": "hi"}], agent=AgentContext(**agent), timeout=10.0, purpose="merge")
+
+    try:
+        with pytest.raises(LlmError, match="'ACME_KEY_TYPO' is not set"):
+            await ask(api_key_env="ACME_KEY_TYPO")
+        await ask(api_key_env="ACME_KEY")
+        await ask()
+    finally:
+        server.close()
+    assert received == ["Bearer sk-acme", f"Bearer {NO_KEY}"]
 
 
 def test_an_agent_is_read_in_either_case_and_its_other_keys_pass_as_they_are() -> None:
