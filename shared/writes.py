@@ -551,13 +551,14 @@ async def _forget_forgotten(
 
 
 async def _unless_held_already(session: AsyncSession, memory_id: str, decision: Decision) -> Decision:
-    """A rewrite (a merge, an arbitrated update) into the text another valid entry of the memory holds would make
-    the rewritten entry an exact copy of that one: the write is skipped against it instead (the fact it brought is
-    stored there already), and the entry the model would have rewritten stays as it was."""
+    """A rewrite (a merge, an arbitrated update) into the text a valid entry of the memory holds changes nothing
+    (the target's own text), or would make the rewritten entry an exact copy of another: the write is skipped
+    against that entry instead (the fact it brought is stored there already, as for any exact copy), and the entry
+    the model would have rewritten stays as it was."""
     assert decision.target is not None and decision.merged_content is not None
     found = await repo.find_exact_copies(session, [(memory_id, content_hash(decision.merged_content))])
     holder = next(iter(found.values()), None)
-    if holder is None or holder.entry_id == decision.target.entry_id:
+    if holder is None:
         return decision
     return Decision(WriteAction.SKIPPED, f"{decision.rule}:{Rule.EXACT_COPY}", holder)
 

@@ -176,6 +176,21 @@ async def test_a_merge_into_the_text_of_another_entry_is_skipped_against_it(
     ]
 
 
+async def test_a_merge_that_keeps_the_entrys_text_is_skipped_against_it(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # The model judged the new fact said already and gave the entry's text back: the agent was told "updated", the
+    # history held an update from one text to the same, and updated_at moved.
+    model = llm.script("merge-keeps", EMAIL_DETAIL)  # the stored fact says all the new one does
+    first = await tool_write(client, memory, EMAIL_DETAIL, model, generation_id="gen_first")
+    again = await tool_write(client, memory, EMAIL, model, generation_id="gen_second")
+    assert again == {"action": "skipped", "entry_id": first["entry_id"]}, again
+    entry = await get_entry(client, first["entry_id"])
+    assert entry["updated_at"] == entry["created_at"]
+    history = (await client.get(f"/memory-entries/{first['entry_id']}/history")).json()["data"]
+    assert [(r["action"], r["rule"]) for r in history] == [("created", "no_candidate"), ("skipped", "merged:exact_copy")]
+
+
 async def test_a_merge_embeds_each_text_once(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
