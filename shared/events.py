@@ -161,11 +161,18 @@ Text = Annotated[str, AfterValidator(refuse_nul)]
 Reference = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
 """An id a platform names something by (its agent, a registered provider, a model route): it reaches logs and
 stored reasons, so it is bounded and holds no NUL."""
+def _refuse_controls(value: str) -> str:
+    if any(unicodedata.category(char) in ("Cc", "Cf") for char in value):
+        raise ValueError("must not hold control or format characters (an escape, a right-to-left override)")
+    return value
+
+
 GenerationId = Annotated[
-    str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$"), AfterValidator(refuse_blank)
+    str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$"), AfterValidator(_refuse_controls),
+    AfterValidator(refuse_blank),
 ]
 """A platform's id of a model turn, as a client sends it: one visible word (a path segment its extraction is looked
-up and its facts forgotten by)."""
+up and its facts forgotten by, shown as it is stored)."""
 ConversationId = Annotated[str, StringConstraints(min_length=1, max_length=255), AfterValidator(refuse_nul),
                            AfterValidator(refuse_blank)]
 """A platform's id of a conversation, as a client sends it: visible, or its facts could not be forgotten by it."""
@@ -393,6 +400,8 @@ def _text_of_parts(content: Any) -> Any:
         return content
     if not all(isinstance(part, dict) for part in content):
         raise ValueError("a list of content parts must hold objects ({type, text, …})")
+    if any("text" in part and not isinstance(part["text"], str) for part in content):
+        raise ValueError("a content part's text must be a string")  # a part with a text read as one without
     return " ".join(part["text"] for part in content if isinstance(part.get("text"), str)) or None
 
 
@@ -435,7 +444,9 @@ class GenerationCompleted(Event):
     conversation_id: Text | None = Field(default=None, max_length=255)
     agent: GenerationAgent
     extract: bool | None = Field(default=None, description="per-turn override of the agent's extraction default")
-    streamed: bool = False
+    streamed: bool = Field(
+        default=False, description="a streamed turn is never extracted, whatever `extract` says (skipped: streamed)"
+    )
     status: Annotated[Text, StringConstraints(max_length=64, strip_whitespace=True, to_lower=True)] = Field(
         default="completed", description="completed, requires_action, failed, … (any case); only completed is extracted"
     )

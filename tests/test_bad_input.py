@@ -271,6 +271,8 @@ async def test_a_body_without_the_json_content_type_is_explained(client: httpx.A
      {"output": "Noted\u0000"}, {"agent": {"id": "agent\u0000", "model": "m"}}, {"status": "done\u0000"},
      {"agent": {"id": "agent_1", "knowledge_config": {"extraction": {"enabled": True, "prompt": "p\u0000"}}}},
      {"generation_id": "\u200b"},  # an id no one can see, or type
+     {"generation_id": "g\u0001ctl"}, {"generation_id": "g\u202eRTL"},  # shown otherwise than stored
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},  # read as no text
      # Accepted, it could not be forgotten: an empty one is refused by the forgetting route.
      {"conversation_id": ""}, {"conversation_id": " \u200b "}],
 )

@@ -39,6 +39,20 @@ def test_every_route_has_a_summary() -> None:
     assert missing == []
 
 
+def test_every_success_with_a_body_says_its_shape() -> None:
+    # POST /generations/completed answered {generation_id, status} with no schema at all: generated clients got an
+    # untyped body. A 204 has none.
+    untyped = [
+        f"{method.upper()} {path} {status}"
+        for path, operations in openapi()["paths"].items() if path.startswith("/api/v1")
+        for method, operation in operations.items()
+        for status, response in operation["responses"].items()
+        if status.startswith("2") and status != "204"
+        and not response.get("content", {}).get("application/json", {}).get("schema")
+    ]
+    assert untyped == []
+
+
 def test_an_event_time_without_a_zone_is_read_as_utc() -> None:
     # A platform publishing turns itself may leave the zone out; its times are compared with ours.
     turn = events.GenerationCompleted.model_validate(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, status
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +37,9 @@ class CompletedTurn(Strict):
     conversation_id: ConversationId | None = None
     agent: GenerationAgent
     extract: StrictBool | None = None
-    streamed: StrictBool = False
+    streamed: StrictBool = Field(
+        default=False, description="a streamed turn is never extracted, whatever `extract` says (skipped: streamed)"
+    )
     status: str = Field(default="completed", max_length=64)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, max_length=100_000)
@@ -62,6 +64,11 @@ class CompletedTurn(Strict):
         return messages
 
 
+class TurnReported(BaseModel):
+    generation_id: str
+    status: Literal["pending", "completed", "skipped"]
+
+
 class ExtractionStatus(BaseModel):
     generation_id: str
     status: str = Field(description="pending, completed, skipped or failed")
@@ -75,7 +82,11 @@ class ExtractionStatus(BaseModel):
     "/completed",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Publish generation.completed for extraction (the same event a platform on the bus publishes)",
-    responses={200: {"description": "the turn was extracted already (`completed` or `skipped`): not again"}},
+    responses={
+        200: {"description": "the turn was extracted already (`completed` or `skipped`): not again",
+              "model": TurnReported},
+        202: {"description": "published: the extraction is `pending`", "model": TurnReported},
+    },
     dependencies=[require("memories:CreateMemoryEntry")],
 )
 async def generation_completed(
