@@ -17,6 +17,8 @@ ENTRY_PREFIX = "mem_entry_"
 WRITE_PREFIX = "wr_"
 API_KEY_PREFIX = "key_"
 EVENT_PREFIX = "evt_"  # an event on the bus that is not a write: a change, a turn, a result, a revocation
+PROVIDER_PREFIX = "aip_"
+ROUTE_PREFIX = "route_"
 
 
 def new_id(prefix: str) -> str:
@@ -29,7 +31,7 @@ def _pattern(prefix: str) -> re.Pattern[str]:
 
 _PATTERNS = {
     prefix: _pattern(prefix)
-    for prefix in (PROJECT_PREFIX, MEMORY_PREFIX, ENTRY_PREFIX, API_KEY_PREFIX)
+    for prefix in (PROJECT_PREFIX, MEMORY_PREFIX, ENTRY_PREFIX, API_KEY_PREFIX, PROVIDER_PREFIX, ROUTE_PREFIX)
 }
 
 

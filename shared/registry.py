@@ -12,17 +12,13 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.db.models import AiProvider, GenerationExtraction, LlmUsage, ModelRoute, ProjectSettings
-from shared.ids import new_id
+from shared.ids import PROVIDER_PREFIX, ROUTE_PREFIX, is_valid_id, new_id
 from shared.providers import Provider
 from shared.repository import lock_key, visible
 
 if TYPE_CHECKING:
     from shared.extraction import ExtractionResult
     from shared.llm import Completion
-
-PROVIDER_PREFIX = "aip_"
-ROUTE_PREFIX = "route_"
-
 
 async def lock_registry(session: AsyncSession, project_id: str) -> None:
     """Until the transaction ends, no other change of the project's providers, routes or default route: what a
@@ -45,6 +41,9 @@ async def list_providers(session: AsyncSession, project_id: str) -> list[AiProvi
 
 
 async def get_provider(session: AsyncSession, project_id: str | None, provider_id: str) -> AiProvider | None:
+    """None also for what is no provider id (a malformed one is not found, as any unknown id)."""
+    if not is_valid_id(provider_id, PROVIDER_PREFIX):
+        return None
     return visible(await session.get(AiProvider, provider_id), project_id)
 
 
@@ -66,6 +65,9 @@ async def list_routes(session: AsyncSession, project_id: str) -> list[ModelRoute
 
 
 async def get_route(session: AsyncSession, project_id: str | None, route_id: str) -> ModelRoute | None:
+    """None also for what is no route id (a malformed one is not found, as any unknown id)."""
+    if not is_valid_id(route_id, ROUTE_PREFIX):
+        return None
     return visible(await session.get(ModelRoute, route_id), project_id)
 
 
