@@ -279,6 +279,30 @@ async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
                 await asyncio.sleep(0.05)
 
 
+async def test_an_edit_or_delete_does_not_wait_for_the_bus_to_come_back(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], tmp_path: Path
+) -> None:
+    # The change is committed; its announcement on the change feed waited for the bus's acknowledgement, so every
+    # edit and delete answered only after ~5 s while NATS was away.
+    async with sessions.begin() as session:
+        entry_ids = [await repo.insert_entry(
+            session, memory_id=memory["id"], project_id=memory["project_id"], content=f"Stored fact {n}",
+            content_hash=f"h{n}", embedding=[1.0] + [0.0] * 383, embedding_model="m", source_type="manual", tags=None,
+            metadata_=None, source_generation_id=None, source_conversation_id=None,
+        ) for n in range(2)]
+    with EmbeddedNats(tmp_path / "nats") as own:
+        async with open_api(settings.model_copy(update={"nats_url": own.url})) as (app, api):
+            own.stop()
+            while app.state.nats.is_connected:
+                await asyncio.sleep(0.05)
+            edited = await asyncio.wait_for(api.put(f"/memory-entries/{entry_ids[0]}", json={"tags": ["edited"]}), 3)
+            deleted = await asyncio.wait_for(api.delete(f"/memory-entries/{entry_ids[1]}"), 3)
+            assert (edited.status_code, deleted.status_code) == (200, 204)
+            own.start()  # the API's client reconnects, so that it can close cleanly
+            while not app.state.nats.is_connected:
+                await asyncio.sleep(0.05)
+
+
 async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(
     settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:

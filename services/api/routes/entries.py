@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -40,6 +41,7 @@ from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
+log = logging.getLogger("memories.api")
 
 
 async def load_entry(session: AsyncSession, principal_scope: str | None, entry_id: str) -> MemoryEntry:
@@ -301,10 +303,16 @@ async def delete_entry(entry_id: str, request: Request, session: SessionDep, pri
 
 
 async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind) -> None:
+    """The change feed, best-effort: the change is committed. Not while the bus is away: the publish would wait for
+    its acknowledgement (~5 s), and the answer with it."""
+    nc = request.app.state.nats
+    if not nc.is_connected:
+        log.warning("entry %s %s but not announced: not connected to NATS", entry.id, kind.value)
+        return
     change = MemoryEntryChanged(
         event_id=new_id(EVENT_PREFIX), project_id=entry.project_id, memory_id=entry.memory_id, entry_id=entry.id, kind=kind
     )
-    await bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
+    await bus.announce_entry_change(nc.jetstream(), change, msg_id=change.event_id)
 
 
 def _edit_record(
