@@ -32,8 +32,9 @@ SessionDep = Annotated[AsyncSession, Depends(get_session)]
 
 ReadSessionDep = Annotated[AsyncSession, Depends(get_read_session)]
 """For routes that only read: each statement commits on its own (autocommit), one round trip per query
-instead of BEGIN, query and ROLLBACK. A route that needs one consistent snapshot of several reads, or that
-writes, takes SessionDep."""
+instead of BEGIN, query and ROLLBACK. Each statement sees what was committed when it started, as it would in a
+transaction too (READ COMMITTED): a page and its total may differ by a row committed in between either way. A
+route that writes takes SessionDep."""
 
 
 # Dependencies are `async def` even when they await nothing: FastAPI runs a plain `def` dependency in its

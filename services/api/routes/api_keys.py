@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Request, Response, status
 from pydantic import AfterValidator, BaseModel, Field
 
-from services.api.deps import AdminDep, SessionDep, resolve_project
+from services.api.deps import AdminDep, ReadSessionDep, SessionDep, resolve_project
 from services.api.errors import not_found
 from services.api.pagination import PagingDep
 from services.api.routing import CheckedRoute
@@ -82,7 +82,7 @@ async def create_api_key(
 
 @router.get("", summary="List a project's API keys (live ones unless include_revoked); secrets never appear")
 async def list_api_keys(
-    session: SessionDep,
+    session: ReadSessionDep,
     admin: AdminDep,
     paging: PagingDep,
     project_id: str | None = None,

@@ -186,7 +186,7 @@ async def _decided(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONRe
     dependencies=[require("memories:ListMemoryEntries")],
 )
 async def list_entries(
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     paging: PagingDep,
     memory_id: Annotated[str, Query()],

@@ -84,7 +84,7 @@ async def create_memory(body: MemoryCreate, session: SessionDep, principal: Prin
     dependencies=[require("memories:ListMemories")],
 )
 async def list_memories(
-    session: SessionDep,
+    session: ReadSessionDep,
     principal: PrincipalDep,
     paging: PagingDep,
     project_id: str | None = None,

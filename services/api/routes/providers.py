@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, Field, field_serializer
 
-from services.api.deps import AdminDep, SessionDep, resolve_project
+from services.api.deps import AdminDep, ReadSessionDep, SessionDep, resolve_project
 from services.api.errors import ApiError, not_found
 from services.api.pagination import PagingDep, page_of
 from services.api.routing import CheckedRoute
@@ -78,7 +78,7 @@ async def create_provider(body: ProviderCreate, session: SessionDep, admin: Admi
 
 @router.get("/ai-providers", summary="A project's AI providers")
 async def list_providers(
-    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+    session: ReadSessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
 ) -> Page[ProviderOut]:
     project = await resolve_project(session, admin, project_id)
     rows = await registry.list_providers(session, project)
@@ -117,7 +117,7 @@ async def create_route(body: RouteCreate, session: SessionDep, admin: AdminDep) 
 
 @router.get("/model-routes", summary="A project's model routes")
 async def list_routes(
-    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+    session: ReadSessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
 ) -> Page[RouteOut]:
     project = await resolve_project(session, admin, project_id)
     rows = await registry.list_routes(session, project)
@@ -148,7 +148,7 @@ async def set_default_route(project_id: str, body: DefaultRoute, session: Sessio
 
 @router.get("/usage", summary="LLM token usage of a project by provider, model and purpose")
 async def usage(
-    session: SessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
+    session: ReadSessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
 ) -> Page[dict[str, Any]]:
     project = await resolve_project(session, admin, project_id)
     return page_of(await registry.usage_summary(session, project), paging)
