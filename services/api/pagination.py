@@ -42,6 +42,10 @@ Item = TypeVar("Item")
 
 def page_of(items: list[Item], paging: Paging) -> Page[Item]:
     """A page of a list read whole (a project's providers, routes, usage groups: a handful); larger lists are
-    paged in SQL (`repository._page`)."""
-    chosen = items[paging.offset : paging.offset + paging.limit]
-    return Page(data=chosen, total=len(items), limit=paging.limit, offset=paging.offset)
+    paged in SQL (`repository._page`, then `paged`)."""
+    return paged(items[paging.offset : paging.offset + paging.limit], len(items), paging)
+
+
+def paged(chosen: list[Item], total: int, paging: Paging) -> Page[Item]:
+    """The page's items, with the total of the list they were chosen from."""
+    return Page(data=chosen, total=total, limit=paging.limit, offset=paging.offset)

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 from services.api.deps import AdminDep, ReadSessionDep, SessionDep, resolve_project
 from services.api.errors import not_found
-from services.api.pagination import PagingDep
+from services.api.pagination import PagingDep, paged
 from services.api.routing import CheckedRoute
 from services.api.schemas import Name, OptionalTimestamp, Page, Strict, Timestamp
 from shared import iam
@@ -90,7 +90,7 @@ async def list_api_keys(
 ) -> Page[ApiKeyOut]:
     project = await resolve_project(session, admin, project_id)
     rows, total = await repo.list_api_keys(session, project, include_revoked, paging.limit, paging.offset)
-    return Page(data=[ApiKeyOut.of(k) for k in rows], total=total, limit=paging.limit, offset=paging.offset)
+    return paged([ApiKeyOut.of(k) for k in rows], total, paging)
 
 
 @router.delete(

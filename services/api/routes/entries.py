@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
 from services.api.errors import ApiError, envelope, invalid, not_found
-from services.api.pagination import PagingDep
+from services.api.pagination import PagingDep, paged
 from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.routing import CheckedRoute
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
@@ -194,7 +194,7 @@ async def list_entries(
 ) -> Page[EntryOut]:
     memory = await load_memory(session, scope(principal), memory_id)
     rows, total = await repo.list_entries(session, memory.id, include_invalidated, paging.limit, paging.offset)
-    return Page(data=[EntryOut.of(e) for e in rows], total=total, limit=paging.limit, offset=paging.offset)
+    return paged([EntryOut.of(e) for e in rows], total, paging)
 
 
 @router.get(

@@ -17,7 +17,7 @@ from services.api.deps import (
     scope,
 )
 from services.api.errors import invalid, not_found
-from services.api.pagination import PagingDep
+from services.api.pagination import PagingDep, paged
 from services.api.routing import CheckedRoute
 from services.api.schemas import MemoryCreate, MemoryOut, MemoryUpdate, Page
 from shared import repository as repo
@@ -93,7 +93,7 @@ async def list_memories(
 ) -> Page[MemoryOut]:
     project = await resolve_project(session, principal, project_id)
     rows, total = await repo.list_memories(session, project, tags, paging.limit, paging.offset)
-    return Page(data=[MemoryOut.of(m) for m in rows], total=total, limit=paging.limit, offset=paging.offset)
+    return paged([MemoryOut.of(m) for m in rows], total, paging)
 
 
 @router.get("/{memory_id}", summary="Get a memory", dependencies=[require("memories:GetMemory")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from services.api.deps import AdminDep, ReadSessionDep, SessionDep
-from services.api.pagination import PagingDep
+from services.api.pagination import PagingDep, paged
 from services.api.routing import CheckedRoute
 from services.api.schemas import Page, ProjectCreate, ProjectOut
 from shared import repository as repo
@@ -23,4 +23,4 @@ async def create_project(body: ProjectCreate, session: SessionDep, _admin: Admin
 @router.get("", summary="List projects")
 async def list_projects(session: ReadSessionDep, _admin: AdminDep, paging: PagingDep) -> Page[ProjectOut]:
     rows, total = await repo.list_projects(session, paging.limit, paging.offset)
-    return Page(data=[ProjectOut.of(p) for p in rows], total=total, limit=paging.limit, offset=paging.offset)
+    return paged([ProjectOut.of(p) for p in rows], total, paging)
