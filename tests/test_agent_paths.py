@@ -798,6 +798,8 @@ async def test_a_tool_call_merges_with_the_projects_registered_provider_or_defau
     route = (await client.post("/model-routes", json={"project_id": project_id, "name": "default", "targets": [
         {"ai_provider_id": provider["id"]}]})).json()
     await client.put(f"/projects/{project_id}/default-model-route", json={"model_route_id": route["id"]})
+    default = await client.get(f"/projects/{project_id}/default-model-route")
+    assert default.json() == {"model_route_id": route["id"]}  # what the project's writes will use, readable
     bare = {"id": "agent_2", "knowledge_config": {"write_memory_id": memory["id"]}}
     second = await write("Customer prefers SMS over phone calls", bare)
     assert second["action"] == "created"
@@ -842,8 +844,8 @@ async def test_registry_changes_of_a_project_hold_what_they_checked_until_they_c
         await wait_until_blocked_by(session, "deleting the route")
         await registry.set_default_route(session, project_id, second["id"])
     assert (await deleting).status_code == 204
-    async with sessions() as session:
-        assert await registry.get_default_route(session, project_id) is None  # cleared with the route it named
+    default = await client.get(f"/projects/{project_id}/default-model-route")
+    assert default.json() == {"model_route_id": None}  # cleared with the route it named
 
     async with sessions.begin() as session:
         await registry.lock_registry(session, project_id)  # the provider being deleted

@@ -135,6 +135,12 @@ async def delete_route(route_id: str, session: SessionDep, _admin: AdminDep) -> 
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.get("/projects/{project_id}/default-model-route", summary="The project's default route, if it has one")
+async def get_default_route(project_id: str, session: ReadSessionDep, admin: AdminDep) -> DefaultRoute:
+    project = await resolve_project(session, admin, project_id)
+    return DefaultRoute(model_route_id=await registry.get_default_route(session, project))
+
+
 @router.put("/projects/{project_id}/default-model-route", summary="Set or clear the project's default route")
 async def set_default_route(project_id: str, body: DefaultRoute, session: SessionDep, admin: AdminDep) -> DefaultRoute:
     project = await resolve_project(session, admin, project_id)
