@@ -412,6 +412,69 @@ async def test_a_replica_given_a_partition_another_still_holds_writes_of_decides
         await former.stop()
 
 
+async def _until_ack_pending(js: Any, durable: str, count: int) -> None:
+    for _ in range(250):
+        if (await js.consumer_info(bus.WRITES_STREAM, durable)).num_ack_pending == count:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_replica_stopped_while_it_waits_for_the_former_holder_hands_back_what_it_fetched(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable
+) -> None:
+    # Stopped past its budget while waiting for the former holder's writes, it kept the write it had fetched neither
+    # in hand nor handed back: that write waited out the ack wait (30 s here), ack-pending on a replica gone.
+    partition, nc, js = await own_durable(16, max_ack_pending=8)
+    decided: list[tuple[str, str]] = []
+    deciding = asyncio.Event()
+    former, successor = Replica("former", decided, gate=deciding), Replica("successor", decided)
+    subject = f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_handed"
+    durable = bus.writer_durable(partition)
+    try:
+        await former.start(settings, partition, batch=4, ack_wait_s=30.0)
+        for i in range(3):
+            await js.publish(subject, str(i).encode(), stream=bus.WRITES_STREAM)
+        await _until_ack_pending(js, durable, 3)  # the former holder decides them, slowly
+        await successor.start(settings, partition, batch=4, ack_wait_s=30.0)
+        unpin = f"$JS.API.CONSUMER.UNPIN.{bus.WRITES_STREAM}.{durable}"
+        await nc.request(unpin, json.dumps({"group": bus.WRITERS_GROUP}).encode(), timeout=2)
+        await js.publish(subject, b"3", stream=bus.WRITES_STREAM)  # fetched by the successor, which waits
+        await _until_ack_pending(js, durable, 4)
+        await asyncio.sleep(0.2)  # inside its wait for the former holder's writes
+        assert successor.consumer is not None
+        await successor.consumer.stop(timeout=0.05)
+        await successor.consumer.release()
+        deciding.set()
+        await _until(lambda: len(decided) == 4, 10)
+        assert decided == [("former", "0"), ("former", "1"), ("former", "2"), ("former", "3")]
+    finally:
+        deciding.set()
+        await successor.nc.close()
+        await former.stop()
+
+
+async def test_a_pin_that_could_not_be_given_up_is_said(
+    settings: Settings, writers: list[Any], own_durable: OwnDurable, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Suppressed silently, it left the partition pinned to a replica gone (its handed-back writes ack-pending until
+    # the pin lapsed), with nothing in the log to tell why.
+    partition, _nc, js = await own_durable(17, max_ack_pending=8)
+    decided: list[tuple[str, str]] = []
+    replica = Replica("only", decided)
+    await replica.start(settings, partition, batch=4, ack_wait_s=30.0)
+    await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.{partition}.mem_pin", b"0", stream=bus.WRITES_STREAM)
+    await _until(lambda: len(decided) == 1, 5)  # pinned here
+    assert replica.consumer is not None
+
+    async def unanswered() -> dict[str, Any]:
+        raise nats.errors.TimeoutError
+
+    replica.consumer._pull._consumer_info = unanswered  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="memories.writer"):
+        await replica.stop()
+    assert any("could not give up its pin" in record.getMessage() for record in caplog.records)
+
+
 async def test_a_writer_whose_partition_loop_died_stops_and_exits_with_status_1(
     settings: Settings, writers: list[Any], own_durable: OwnDurable
 ) -> None:

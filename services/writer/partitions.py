@@ -208,10 +208,14 @@ class PinnedPull:
         pin, self.pin = self.pin, None
         if pin is None:
             return
-        with contextlib.suppress(nats.errors.Error, ValueError):
+        try:
             groups = (await self._consumer_info()).get("priority_groups") or []
             if any(group.get("pinned_client_id") == pin for group in groups):
                 await self._nc.request(self._unpin_subject, json.dumps({"group": bus.WRITERS_GROUP}).encode(), timeout=2)
+        except (nats.errors.Error, ValueError) as exc:
+            # Said, since it shows: the partition stays pinned here until the pin lapses (the ack wait and
+            # PIN_MARGIN_S), and the writes this replica handed back wait as long, ack-pending.
+            log.warning("partition %s: could not give up its pin (%s): it lapses after the ack wait", self._partition, exc)
 
     async def close(self) -> None:
         if self._subscription is not None:
@@ -301,7 +305,11 @@ class PartitionConsumer(Generic[Prepared]):
             try:
                 messages = await self._pull.fetch(batch=batch, wait_s=FETCH_WAIT_S)
                 if messages and self._pull.pin != pinned_before:
-                    messages = await self._after_the_former_holder(messages)
+                    try:
+                        messages = await self._after_the_former_holder(messages)
+                    except asyncio.CancelledError:  # stopped past its budget meanwhile: not left to the ack wait
+                        await bus.hand_back(messages)
+                        raise
             except nats.errors.Error as exc:  # reconnecting, or the stream's leader is being elected
                 log.warning("fetching partition %s failed: %s", self.partition, exc)
                 await asyncio.sleep(1.0)
