@@ -14,6 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -116,18 +117,36 @@ def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None
     return [{"role": "user", "content": f"{instructions}\n\n{CONTRACT_LINE}\n\nConversation:\n{transcript}"}]
 
 
+class UnreadableAnswer(LlmError):
+    """The model began an array it did not finish (cut off, malformed): not "no facts" (`[]`), which would be
+    stored as the turn's answer for good, but a failure, asked again."""
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _first_array(text: str) -> list[Any]:
+    """The first JSON array in the text, whatever prose stands around it (a `[` of the prose is passed over); none
+    in an answer of prose alone ("I found no facts"). UnreadableAnswer when a `[` opens none."""
+    start = text.find("[")
+    if start < 0:
+        return []
+    while start >= 0:
+        try:
+            items, _end = _DECODER.raw_decode(text, start)
+        except ValueError:
+            start = text.find("[", start + 1)
+            continue
+        if isinstance(items, list):
+            return items
+        start = text.find("[", start + 1)
+    raise UnreadableAnswer(f"the model's answer ({len(text)} characters) holds no complete JSON array of facts")
+
+
 def parse_candidates(text: str) -> list[str]:
-    """From the first `[` to the last `]`; strings or `{content}` objects; empty and over-long ones dropped; at
-    most 20."""
-    start, end = text.find("["), text.rfind("]")
-    if start < 0 or end <= start:
-        return []
-    try:
-        items = json.loads(text[start : end + 1])
-    except ValueError:
-        return []
-    if not isinstance(items, list):
-        return []
+    """The answer's first JSON array: strings or `{content}` objects; empty and over-long ones dropped; at most
+    20."""
+    items = _first_array(text)
     facts = []
     for item in items:
         content = item.get("content") if isinstance(item, dict) else item

@@ -17,6 +17,7 @@ from shared.events import AgentContext, GenerationAgent, GenerationCompleted
 from shared.extraction import (
     CONTRACT_LINE,
     DEFAULT_INSTRUCTIONS,
+    UnreadableAnswer,
     build_prompt,
     candidate_write_id,
     gate,
@@ -144,10 +145,11 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         ('["A", "B"]', ["A", "B"]),
         ('Sure! Here you go:\n["A", {"content": "B"}, "", "  ", 7, {"x": 1}]\nHope it helps.', ["A", "B"]),
         ("[]", []),
-        ("no json here", []),
-        ('["unterminated', []),
-        ('{"facts": ["A"]}', ["A"]),  # first [ to last ]
-        ('[1, 2', []),
+        ("I could not find any facts, sorry.", []),  # prose alone: nothing to remember
+        ('{"facts": ["A"]}', ["A"]),  # the first array
+        # Prose with brackets of its own after the array (or before it) read as no JSON at all: facts lost.
+        ('["The user owns a cat named Tom."]\n\nI skipped greetings [as instructed].', ["The user owns a cat named Tom."]),
+        ('Skipping [greetings]: ["A"]', ["A"]),
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
         ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
         ('["\\u200b", "\\ufeff \\u200b", "C"]', ["C"]),  # invisible characters only: blank, as a client's would be
@@ -157,6 +159,15 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
 )
 def test_parse_candidates(text: str, facts: list[str]) -> None:
     assert parse_candidates(text) == facts
+
+
+@pytest.mark.parametrize("text", ['["unterminated', "[1, 2", 'The facts: ["A", "B"', "[oops]"])
+def test_an_array_begun_and_not_finished_is_a_failure_not_no_facts(text: str) -> None:
+    # An answer cut off (or malformed) was read as [] and stored as the turn's answer for good ("completed", no
+    # candidates): never asked again.
+    with pytest.raises(UnreadableAnswer):
+        parse_candidates(text)
+    assert issubclass(UnreadableAnswer, LlmError)  # retried as any failed model call, then the turn fails
 
 
 def test_candidate_ids_are_stable_and_distinct() -> None:
