@@ -496,6 +496,33 @@ async def test_a_turn_the_model_always_rejects_is_dead_lettered(
     assert len(llm.calls_to("extract-poison")) == calls
 
 
+@pytest.mark.parametrize("body_project", ["another", "no id"])
+async def test_a_turn_naming_another_project_than_its_subject_is_dead_lettered(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM, body_project: str
+) -> None:
+    # Published on project A's subject, a body naming project B (and B's memory) was extracted into B: a platform
+    # limited to its own project's subject could write into another's memories. A project id that is no id (a NUL)
+    # failed every query, and every delivery, for ever.
+    model = llm.script("extract-foreign", json.dumps(["The user lives in Lisbon"]))
+    other = (await client.post("/projects", json={"name": "other"})).json()
+    target = (await client.post("/memories", json={"project_id": other["id"], "name": "theirs"})).json()
+    foreign = turn_event(target, model, f"gen_foreign_{body_project.replace(' ', '_')}")
+    if body_project == "no id":
+        foreign = foreign.model_copy(update={"project_id": "proj_\u0000"})
+    nc = await nats.connect(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.extractor", stream=bus.DEAD_LETTER_STREAM,
+                                  deliver_policy=nats.js.api.DeliverPolicy.NEW)
+        await js.publish(bus.generation_completed_subject(memory["project_id"]), foreign.model_dump_json().encode(),
+                         stream=bus.GENERATIONS_STREAM)
+        letter = json.loads((await dead.next_msg(timeout=15)).data)
+    finally:
+        await nc.close()
+    assert "not the one its subject names" in letter["reason"]
+    assert llm.calls_to("extract-foreign") == [] and await entries(client, target["id"]) == []
+
+
 async def test_a_turn_that_fails_unexpectedly_is_dead_lettered_not_retried_for_ever(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,7 +21,7 @@ from shared.consumer_process import ConsumerProcess
 from shared.db.session import session_factory
 from shared.events import ExtractionCompleted, GenerationCompleted
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
-from shared.ids import EVENT_PREFIX, new_id
+from shared.ids import EVENT_PREFIX, PROJECT_PREFIX, is_valid_id, new_id
 from shared.llm import LlmError
 from shared.logs import log_context
 from shared.settings import Settings
@@ -80,6 +80,15 @@ class ExtractorService(ConsumerProcess):
             event = GenerationCompleted.model_validate_json(message.body)
         except ValidationError as exc:
             await bus.dead_letter(js, "extractor", raw.subject, message.body, reason=f"invalid event: {exc.errors()[:3]}")
+            await message.ack()
+            return
+        # The subject names the project: a platform allowed to publish on its own project's subject only must not
+        # write into another project by naming it in the body (and an id that is none would fail every query).
+        if raw.subject != bus.generation_completed_subject(event.project_id) or not is_valid_id(
+            event.project_id, PROJECT_PREFIX
+        ):
+            reason = "invalid event: its project_id is not a project id, or not the one its subject names"
+            await bus.dead_letter(js, "extractor", raw.subject, message.body, reason=reason)
             await message.ack()
             return
         # Every line logged for this turn names it, the write gateway's included.
