@@ -95,7 +95,7 @@ class KnowledgeConfig(_EitherCase):
         default=None, description="default 10; clamped to 1..100"
     )
     min_score: MinScore | None = None
-    write_memory_id: str | None = None
+    write_memory_id: Reference | None = None
     extraction: bool | ExtractionConfig | None = None
 
     @classmethod

@@ -35,7 +35,7 @@ from shared.events import (
     storable,
     utcnow,
 )
-from shared.ids import WRITE_PREFIX
+from shared.ids import MEMORY_PREFIX, WRITE_PREFIX, is_valid_id
 from shared.llm import Completion, LlmError, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
@@ -212,7 +212,11 @@ class Extractor:
         config = decision.config
         extraction = config.extraction if isinstance(config.extraction, ExtractionConfig) else ExtractionConfig()
         async with self._sessions() as session:
-            memory = await repo.get_memory(session, event.project_id, config.write_memory_id or "")
+            write_memory_id = config.write_memory_id or ""
+            memory = (
+                await repo.get_memory(session, event.project_id, write_memory_id)
+                if is_valid_id(write_memory_id, MEMORY_PREFIX) else None
+            )
             try:
                 targets = await self._targets(session, event, extraction)
             except ResolutionError as exc:

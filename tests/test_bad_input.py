@@ -275,6 +275,8 @@ async def test_a_body_without_the_json_content_type_is_explained(client: httpx.A
     [{"conversation_id": "conv_\u0000"}, {"extract": "yes"}, {"extract": 1}, {"streamed": "false"},
      # Refused here as on the tool route, not published to be skipped by the extractor later.
      {"agent": {"id": "agent_1", "knowledge_config": {"write_memory_id": 5}}},
+     # Accepted, it failed every query of the extraction, which ended failed "unexpectedly (DataError)".
+     {"agent": {"id": "agent_1", "knowledge_config": {"write_memory_id": "mem_\u0000x"}}},
      {"agent": {"id": "agent_1", "knowledge_config": {"extraction": "maybe"}}},
      {"agent": {"id": "agent_1", "knowledge_config": {"bogus": 1}}},
      # NUL anywhere in the transcript, as in every other field of the API.
