@@ -23,6 +23,7 @@ from shared import registry
 from shared import repository as repo
 from shared.agents import ExtractionConfig, KnowledgeConfig
 from shared.context import without_reference_context
+from shared.db.models import GenerationExtraction
 from shared.events import (
     CONTENT_MAX_CHARS,
     ExtractionSummary,
@@ -204,8 +205,7 @@ class Extractor:
             done = await registry.get_extraction(session, event.project_id, event.generation_id)
         if done is not None and done.status in ("completed", "skipped"):
             # A redelivery after the outcome was stored: asking the model again could word facts differently.
-            summary = ExtractionSummary.model_validate(done, from_attributes=True)
-            return ExtractionResult(done.status, done.reason, summary, done.model, replayed=True)
+            return _replay_of(done)
         decision = gate(event)
         if not decision.run or decision.config is None:
             return await self._finish(event, ExtractionResult("skipped", decision.reason, ExtractionSummary()))
@@ -231,14 +231,24 @@ class Extractor:
         else:
             asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
             async with self._sessions.begin() as session:
-                # Another extraction of this turn may have saved its answer first: that one is written.
-                facts, model = await registry.save_extracted_facts(
+                # Another extraction of this turn may have saved its answer first: that one is written; or finished
+                # the turn meanwhile: nothing is.
+                saved = await registry.save_extracted_facts(
                     session, event.project_id, event.generation_id, parse_candidates(completion.text), asked.model
                 )
+            if saved.status in ("completed", "skipped"):
+                return await self._replayed(event)
+            facts, model = saved.facts, saved.model
         # The target of the model that answered (its merges use it too); the first when none is known.
         target = next((t for t in targets if t.model == model), targets[0])
         summary = await self._write(event, memory.id, facts, target, turn_time)
         return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
+
+    async def _replayed(self, event: GenerationCompleted) -> ExtractionResult:
+        async with self._sessions() as session:
+            done = await registry.get_extraction(session, event.project_id, event.generation_id)
+        assert done is not None
+        return _replay_of(done)
 
     async def _targets(
         self, session: AsyncSession, event: GenerationCompleted, extraction: ExtractionConfig
@@ -328,6 +338,11 @@ class Extractor:
         async with self._sessions.begin() as session:
             await registry.save_extraction(session, event.project_id, event.generation_id, result)
         return result
+
+
+def _replay_of(done: GenerationExtraction) -> ExtractionResult:
+    summary = ExtractionSummary.model_validate(done, from_attributes=True)
+    return ExtractionResult(done.status, done.reason, summary, done.model, replayed=True)
 
 
 class WritesPending(Exception):

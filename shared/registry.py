@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, null, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -136,6 +136,9 @@ async def usage_summary(session: AsyncSession, project_id: str) -> list[dict[str
     return [dict(row._mapping) for row in (await session.execute(query)).all()]
 
 
+_DONE = ("completed", "skipped")
+
+
 async def save_extraction(
     session: AsyncSession, project_id: str, generation_id: str, result: ExtractionResult
 ) -> None:
@@ -145,8 +148,8 @@ async def save_extraction(
         "model": result.model,
         **result.summary.model_dump(),
     }
-    if result.status == "completed":
-        values["facts"] = None  # written: kept only while a retry might need them
+    if result.status in _DONE:
+        values["facts"] = null()  # written, or never to be: kept only while a retry might need them (SQL NULL)
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, **values)
@@ -157,28 +160,36 @@ async def save_extraction(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class SavedFacts:
+    facts: list[str]
+    model: str | None
+    status: str  # `completed` or `skipped`: another extraction of the turn finished it first (write nothing)
+
+
 async def save_extracted_facts(
     session: AsyncSession, project_id: str, generation_id: str, facts: list[str], model: str
-) -> tuple[list[str], str | None]:
+) -> SavedFacts:
     """Keep the model's facts for a turn before any is written, and return the facts (and model) in effect: the
-    first saved wins, so two extractions of one turn racing each other write one wording."""
+    first saved wins, so two extractions of one turn racing each other write one wording; one that finished
+    already (its facts cleared) is said by the status."""
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, status="pending", facts=facts, model=model)
         .on_conflict_do_update(
             index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
             set_={"facts": facts, "model": model, "updated_at": func.now()},
-            where=GenerationExtraction.facts.is_(None),
+            where=GenerationExtraction.facts.is_(None) & GenerationExtraction.status.not_in(_DONE),
         )
     )
     kept = (
         await session.execute(
-            select(GenerationExtraction.facts, GenerationExtraction.model).where(
+            select(GenerationExtraction.facts, GenerationExtraction.model, GenerationExtraction.status).where(
                 GenerationExtraction.project_id == project_id, GenerationExtraction.generation_id == generation_id
             )
         )
     ).one()
-    return list(kept.facts if kept.facts is not None else facts), kept.model
+    return SavedFacts(list(kept.facts if kept.facts is not None else facts), kept.model, kept.status)
 
 
 @dataclass(frozen=True, slots=True)

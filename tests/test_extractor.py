@@ -15,10 +15,11 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, registry
-from shared.events import GenerationAgent, GenerationCompleted, utcnow
+from shared.events import ExtractionSummary, GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.llm import LlmError
 from shared.scripted_llm import CustomLLMError, ScriptedLLM  # after the cost-map setting
@@ -596,12 +597,24 @@ async def test_the_first_saved_facts_of_a_turn_are_the_ones_written(
     for facts, model in ((["Lunch is at noon"], "scripted/a"), (["Lunch happens at 12:00"], "scripted/b")):
         async with sessions.begin() as session:
             kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", facts, model)
-        assert kept == (["Lunch is at noon"], "scripted/a")
+        assert kept == registry.SavedFacts(["Lunch is at noon"], "scripted/a", "pending")
     # The first answer may be that the turn holds no fact: the second extraction then writes none either.
     for facts, model in (([], "scripted/a"), (["Lunch is at noon"], "scripted/b")):
         async with sessions.begin() as session:
             kept = await registry.save_extracted_facts(session, memory["project_id"], "gen_race_empty", facts, model)
-        assert kept == ([], "scripted/a")
+        assert kept == registry.SavedFacts([], "scripted/a", "pending")
+    # The first finished the turn (its facts cleared) before the second saved its answer: it was handed its own
+    # wording back, and wrote it, near-copies of the facts written. Now it is told the turn is done.
+    async with sessions.begin() as session:
+        result = ExtractionResult("completed", None, ExtractionSummary(candidates=1, created=1), "scripted/a")
+        await registry.save_extraction(session, memory["project_id"], "gen_race", result)
+    async with sessions.begin() as session:
+        late = await registry.save_extracted_facts(session, memory["project_id"], "gen_race", ["Lunch: 12:00"], "m")
+    assert late.status == "completed"
+    async with sessions() as session:
+        stored = await session.scalar(text(
+            "SELECT facts IS NULL FROM generation_extractions WHERE generation_id = 'gen_race'"))
+    assert stored is True  # SQL NULL, not JSON null
 
 
 async def test_a_report_that_cannot_be_published_leaves_the_turn_failed(
