@@ -38,14 +38,20 @@ class ConsumerProcess:
         self._stop = asyncio.Event()  # set by SIGINT or SIGTERM, or by `fail`
         self._failure: str | None = None
 
-    def subscribe(self, subject: str, stream: str, durable: str, batch_size: int):  # type: ignore[no-untyped-def]
+    def subscribe(self, subject: str, stream: str, durable: str, workers: int):  # type: ignore[no-untyped-def]
         """A pull subscriber bound to an existing durable consumer: the layout is ours (shared.bus), so
-        FastStream declares nothing and a changed setting is applied by `ensure_layout`, not ignored."""
+        FastStream declares nothing and a changed setting is applied by `ensure_layout`, not ignored.
+
+        One message a fetch, handled by the first of `workers` free (one: in order). A fetched batch would be
+        handled together and the next fetched only once all of it is done: one slow message (a turn waiting for
+        its writes) held up the other workers' messages for as long. A message is fetched only when a worker is
+        about to be free, so at most one waits, fetched, for a worker."""
         return self.broker.subscriber(
             subject,
             stream=JStream(stream, declare=False),
             durable=durable,
-            pull_sub=PullSub(batch_size=batch_size, timeout=1.0),
+            pull_sub=PullSub(batch_size=1, timeout=1.0),
+            max_workers=workers,
             ack_policy=AckPolicy.MANUAL,
             no_reply=True,
         )

@@ -36,21 +36,28 @@ class ScriptedLLM(CustomLLM):
     scripts: dict[str, Reply] = field(default_factory=dict)
     calls: list[ScriptedCall] = field(default_factory=list)
     latency_s: float = 0.0
+    latencies: dict[str, float] = field(default_factory=dict)  # a model's own, instead of latency_s
 
     def __post_init__(self) -> None:
         super().__init__()
 
-    def script(self, name: str, reply: Reply) -> str:
-        """Program `scripted/<name>`; returns the full litellm model string."""
+    def script(self, name: str, reply: Reply, *, latency_s: float | None = None) -> str:
+        """Program `scripted/<name>` (answering after `latency_s`, if given); returns the full litellm model string."""
         self.scripts[name] = reply
+        if latency_s is not None:
+            self.latencies[name] = latency_s
         return f"{PROVIDER}/{name}"
 
     def calls_to(self, name: str) -> list[ScriptedCall]:
         return [call for call in self.calls if call.model == name]
 
-    def _reply(self, model: str, messages: list[dict[str, Any]], optional_params: dict[str, Any]) -> ModelResponse:
+    def _asked(self, model: str, messages: list[dict[str, Any]], optional_params: dict[str, Any]) -> str:
+        """The call recorded as it is made (before any latency); the script's name."""
         name = model.removeprefix(f"{PROVIDER}/")
         self.calls.append(ScriptedCall(name, messages, optional_params.get("temperature")))
+        return name
+
+    def _reply(self, name: str, model: str, messages: list[dict[str, Any]]) -> ModelResponse:
         reply = self.scripts.get(name)
         if reply is None:
             raise CustomLLMError(status_code=404, message=f"no script for {PROVIDER}/{name}")
@@ -66,12 +73,13 @@ class ScriptedLLM(CustomLLM):
         )
 
     def completion(self, model: str, messages: list[Any], *args: Any, **kwargs: Any) -> ModelResponse:
-        return self._reply(model, messages, kwargs.get("optional_params") or {})
+        return self._reply(self._asked(model, messages, kwargs.get("optional_params") or {}), model, messages)
 
     async def acompletion(self, model: str, messages: list[Any], *args: Any, **kwargs: Any) -> ModelResponse:
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
-        return self._reply(model, messages, kwargs.get("optional_params") or {})
+        name = self._asked(model, messages, kwargs.get("optional_params") or {})
+        if latency := self.latencies.get(name, self.latency_s):
+            await asyncio.sleep(latency)
+        return self._reply(name, model, messages)
 
 
 _instance: ScriptedLLM | None = None

@@ -196,6 +196,31 @@ async def direct_gateway(settings: Settings, sessions: async_sessionmaker[AsyncS
         await nc.close()
 
 
+async def test_a_slow_turn_holds_up_no_other_turn(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # A fetched batch was handled together, the next fetched only when all of it was done: one turn waiting on a
+    # slow model (or on its writes, up to ten minutes) held every other turn of the replica for as long.
+    slow = llm.script("extract-slow", json.dumps(["The user is patient"]), latency_s=8.0)
+    quick = llm.script("extract-quick", json.dumps(["The user is quick"]))
+    for n in range(2):  # one after the other: each fetched alone, by either replica
+        await client.post("/generations/completed", json=turn_body(memory, slow, f"gen_slow_{n}"))
+        for _ in range(100):  # with its model
+            if len(llm.calls_to("extract-slow")) > n:
+                break
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    for n in range(4):
+        await client.post("/generations/completed", json=turn_body(memory, quick, f"gen_quick_{n}"))
+    for n in range(4):
+        assert (await finished(client, memory, f"gen_quick_{n}"))["status"] == "completed"
+    for n in range(2):
+        waiting = await client.get(f"/generations/gen_slow_{n}/extraction", params={"project_id": memory["project_id"]})
+        assert waiting.json()["status"] == "pending"  # still with its model: the quick turns did not wait for it
+    for n in range(2):
+        assert (await finished(client, memory, f"gen_slow_{n}"))["status"] == "completed"
+
+
 async def test_a_redelivered_turn_writes_nothing_twice(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:

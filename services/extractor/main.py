@@ -1,8 +1,9 @@
 """The extractor: consumes `generations.completed.*` and turns each eligible turn into write events.
 
 Every replica binds to one shared durable consumer (queue semantics), so replicas split the load and a
-killed replica's event comes back after the ack wait. A fetched batch runs concurrently: the LLM call
-is the slow part, and the writes it produces are serialised by the writer, not here.
+killed replica's event comes back after the ack wait. Each replica handles up to
+MEMORIES_EXTRACTOR_CONCURRENCY turns at once, each fetched as a worker frees up (one slow turn holds up no
+other): the LLM call is the slow part, and the writes it produces are serialised by the writer, not here.
 """
 
 from __future__ import annotations

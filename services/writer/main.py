@@ -55,7 +55,7 @@ class Writer(ConsumerProcess):
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []
         for durable, subject in _DELETIONS:
-            self.subscribe(subject, bus.GENERATIONS_STREAM, durable, batch_size=1)(self._handle_deletion)
+            self.subscribe(subject, bus.GENERATIONS_STREAM, durable, workers=1)(self._handle_deletion)
 
     async def _handle_deletion(self, message: NatsMessage) -> None:
         assert self._provenance is not None
