@@ -317,8 +317,8 @@ class Extractor:
         # the refused ones again; counted as failed, a fact refused while the embedder was down would be lost.
         if refused := sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome)):
             raise WritesRefused(f"{refused} of {len(writes)} writes refused while a dependency was down")
-        if queued := outcomes.count(None):
-            raise WritesPending(f"{queued} of {len(writes)} writes not decided in time")
+        if queued := [write.write_id for write, outcome in zip(writes, outcomes, strict=True) if outcome is None]:
+            raise WritesPending(f"{len(queued)} of {len(writes)} writes not decided in time", queued)
         counts = {"created": 0, "updated": 0, "skipped": 0, "failed": 0}
         for outcome in outcomes:
             assert outcome is not None
@@ -329,6 +329,12 @@ class Extractor:
             else:
                 counts[outcome.action.value] += 1
         return ExtractionSummary(candidates=len(facts), **counts)
+
+    async def decided(self, write_ids: list[str]) -> bool:
+        """Whether the writer has decided each of these writes (applied, or failed): read, not claimed."""
+        async with self._sessions() as session:
+            records = await repo.get_write_outcomes(session, write_ids)
+        return all(record.status != "pending" for record in records.values())
 
     async def record_failure(self, event: GenerationCompleted, reason: str) -> ExtractionResult:
         """The last delivery failed too: the outcome says so before the event is dead-lettered."""
@@ -346,7 +352,11 @@ def _replay_of(done: GenerationExtraction) -> ExtractionResult:
 
 
 class WritesPending(Exception):
-    """Some candidate writes were not decided in time; the event is retried."""
+    """Some candidate writes were not decided in time (`write_ids`); the event is retried."""
+
+    def __init__(self, message: str, write_ids: list[str]) -> None:
+        super().__init__(message)
+        self.write_ids = write_ids
 
 
 class WritesRefused(Exception):

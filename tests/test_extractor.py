@@ -296,10 +296,13 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
         bus.BusUnavailable("no servers"),
         WritesRefused("1 of 1 writes refused while a dependency was down"),
         # The writer down: dead-lettered after ~80 s, the turn was left failed while its facts were written later.
-        WritesPending("1 of 1 writes not decided in time"),
-        WritesPending("1 of 1 writes not decided in time"),
+        WritesPending("1 of 1 writes not decided in time", ["wr_queued"]),
+        WritesPending("1 of 1 writes not decided in time", ["wr_queued"]),
         done,
     ]
+    # Queued writes are waited for, not submitted again (extracted again, the turn published a fact anew each time
+    # its claim went stale: a copy on the stream every ~40 s): extracted again only once they are decided.
+    decisions = [False, False, True, True]
 
     class ThroughOutages:
         async def extract(self, _event: GenerationCompleted, **_options: Any) -> ExtractionResult:
@@ -308,10 +311,15 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
                 raise outcome
             return outcome
 
+        async def decided(self, write_ids: list[str]) -> bool:
+            assert write_ids == ["wr_queued"]
+            return decisions.pop(0)
+
     service = ExtractorService(settings.model_copy(update={"memories_retry_backoff_s": 0.01}))
     service._extractor = ThroughOutages()  # type: ignore[assignment]
     event = GenerationCompleted(event_id="evt_x", project_id="proj_x", generation_id="gen_x", agent=GenerationAgent())
     assert await service.extract_through_outages(event, arrived_at=None) is done and outcomes == []
+    assert decisions == []
     # Anything else is the turn's own failure: handed to the caller, which counts it towards MEMORIES_MAX_DELIVER.
     outcomes[:] = [LlmError("the model failed")]
     with pytest.raises(LlmError):
@@ -319,8 +327,9 @@ async def test_an_outage_is_waited_out_in_place_not_counted_as_a_delivery(settin
     # So are queued facts that outlast the patience (a partition no writer reads): the turn is handed back.
     import services.extractor.main as extractor_main
 
-    pending = WritesPending("1 of 1 writes not decided in time")
+    pending = WritesPending("1 of 1 writes not decided in time", ["wr_queued"])
     outcomes[:] = [pending] * 50 + [done]
+    decisions[:] = [True] * 100
     with pytest.MonkeyPatch.context() as patience:
         patience.setattr(extractor_main, "QUEUED_WRITES_PATIENCE_S", 0.05)
         with pytest.raises(WritesPending):

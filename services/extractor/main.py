@@ -124,8 +124,14 @@ class ExtractorService(ConsumerProcess):
         dead-lettered (its facts written later all the same, its status left failed)."""
         assert self._extractor is not None
         pause, refusals, queued_since = self.settings.memories_retry_backoff_s, 0, None
+        # The turn's writes queued on the stream are waited for, not submitted again: a claim gone stale (30 s) is
+        # published again, and past the stream's duplicate window stored again, a copy of each fact every ~40 s
+        # while no writer decides them.
+        queued: list[str] = []
         while True:
             try:
+                if queued and not await self._extractor.decided(queued):
+                    raise WritesPending(f"{len(queued)} writes still queued", queued)
                 return await self._extractor.extract(event, arrived_at=arrived_at)
             except WritesPending as exc:
                 # Queued on the stream: decided once a writer runs (or failed by it for good, an outcome too). A
@@ -133,6 +139,7 @@ class ExtractorService(ConsumerProcess):
                 queued_since = queued_since or time.monotonic()
                 if time.monotonic() - queued_since > QUEUED_WRITES_PATIENCE_S:
                     raise
+                queued = exc.write_ids
                 log.warning("extraction waits for its queued writes: %s", exc)
             except WritesRefused:
                 # Refused for now, or for good (a text the embedder always rejects looks the same): waited out a
