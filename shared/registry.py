@@ -203,6 +203,11 @@ class ReportedTurn:
     """When the turn was first known here (None: now). Its facts cite its generation and conversation as of then:
     reported again after a forgetting, the turn is no newer than it was."""
 
+    @property
+    def reported_before(self) -> bool:
+        """Pending from an earlier report (not a new turn, nor a retry): its event was published then."""
+        return self.first_reported_at is not None and self.retry_of is None
+
 
 async def mark_extraction_pending(session: AsyncSession, project_id: str, generation_id: str) -> ReportedTurn:
     """Record a reported turn as pending, unless it is known. A turn whose extraction failed is a retry: it is

@@ -662,6 +662,8 @@ async def test_a_report_that_cannot_be_published_leaves_the_turn_failed(
     async with sessions.begin() as session:
         failed = ExtractionResult("failed", "model down", ExtractionSummary())
         await registry.save_extraction(session, memory["project_id"], "gen_unpublished", failed)
+        # Pending from an earlier report, its event on the bus: reported again meanwhile, it stays pending.
+        await registry.mark_extraction_pending(session, memory["project_id"], "gen_published")
 
     class BusDown:
         is_connected = True  # connected, as far as the client knows, and the publish fails
@@ -675,17 +677,18 @@ async def test_a_report_that_cannot_be_published_leaves_the_turn_failed(
     async with open_api(settings) as (app, api):
         bus_client, app.state.nats = app.state.nats, BusDown()
         try:
-            for generation_id in ("gen_unpublished", "gen_new_unpublished"):
+            for generation_id in ("gen_unpublished", "gen_new_unpublished", "gen_published"):
                 body = turn_body(memory, "scripted/unused", generation_id)
                 assert (await api.post("/generations/completed", json=body)).status_code == 503
         finally:
             app.state.nats = bus_client
         statuses = [
             (await api.get(f"/generations/{generation_id}/extraction", params={"project_id": memory["project_id"]})).json()
-            for generation_id in ("gen_unpublished", "gen_new_unpublished")
+            for generation_id in ("gen_unpublished", "gen_new_unpublished", "gen_published")
         ]
-    # Failed, so that the caller's next report is published as a retry, not swallowed as a duplicate.
-    assert [status["status"] for status in statuses] == ["failed", "failed"]
+    # Failed, so that the caller's next report is published as a retry, not swallowed as a duplicate; the turn
+    # reported before keeps its status (failed, its next report was a retry: a second extraction of one turn).
+    assert [status["status"] for status in statuses] == ["failed", "failed", "pending"]
     assert "report the turn again" in statuses[1]["reason"]
 
 

@@ -122,8 +122,9 @@ async def generation_completed(
             msg_id=message_id,
         )
     except bus.BusUnavailable as exc:
-        await registry.fail_unpublished_extraction(session, project_id, event.generation_id)
-        await session.commit()
+        if not reported.reported_before:  # a turn reported again while pending has its first event on the bus
+            await registry.fail_unpublished_extraction(session, project_id, event.generation_id)
+            await session.commit()
         raise ApiError(503, f"the message bus is unavailable; retry ({exc})") from exc
     return JSONResponse({"generation_id": event.generation_id, "status": "pending"}, status_code=202)
 
