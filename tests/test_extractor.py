@@ -247,6 +247,19 @@ async def test_a_redelivered_turn_writes_nothing_twice(
     assert len(llm.calls_to("extract-redelivered")) == 1
 
 
+def test_a_retry_that_fails_again_is_announced_too() -> None:
+    # Every failure of a turn had one notice id: a retry failing again within the duplicate window announced nothing.
+    from services.extractor.main import _notice_id
+    from shared.events import ExtractionSummary
+
+    first = turn_event({"project_id": "proj_x", "id": "mem_x"}, "scripted/x", "gen_x")
+    retry = first.model_copy(update={"event_id": "evt_retry"})
+    failed, completed = (ExtractionResult(status, None, ExtractionSummary()) for status in ("failed", "completed"))
+    assert _notice_id(first, failed) != _notice_id(retry, failed)
+    assert _notice_id(first, failed) == _notice_id(first, failed)  # the same delivery again: one notice
+    assert _notice_id(first, completed) == _notice_id(retry, completed)  # one turn completes once
+
+
 async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_a_second(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
     sessions: async_sessionmaker[AsyncSession],

@@ -185,12 +185,18 @@ class ExtractorService(ConsumerProcess):
                 bus.extraction_completed_subject(event.project_id),
                 notice.model_dump_json().encode(),
                 stream=bus.GENERATIONS_STREAM,
-                # A turn delivered again once decided (a lost ack) is announced again, under the same id: the
-                # stream keeps one notice per outcome, within its duplicate window.
-                headers={"Nats-Msg-Id": f"extraction:{event.project_id}:{event.generation_id}:{result.status}"},
+                headers={"Nats-Msg-Id": _notice_id(event, result)},
             )
         except Exception:
             log.exception("could not publish the extraction summary")
+
+
+def _notice_id(event: GenerationCompleted, result: ExtractionResult) -> str:
+    """A turn delivered again once decided (a lost ack) is announced again under the same id: the stream keeps one
+    notice per outcome, within its duplicate window. A failure is an outcome of one report (its event): a retry
+    that fails too is announced as well."""
+    notice = f"extraction:{event.project_id}:{event.generation_id}:{result.status}"
+    return f"{notice}:{event.event_id}" if result.status == "failed" else notice
 
 
 def _count(result: ExtractionResult) -> None:
