@@ -277,7 +277,8 @@ class Extractor:
                     completion = await complete(prompt, agent=agent, timeout=self._llm_timeout, purpose=Purpose.EXTRACTION)
                 except RateLimited as exc:
                     last_error = exc
-                    await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
+                    if attempt < self._rate_limit_retries:  # the last one fails over at once
+                        await _pause_after_rate_limit(attempt)
                     continue
                 except LlmError as exc:
                     last_error = exc
@@ -344,6 +345,10 @@ class Extractor:
         async with self._sessions.begin() as session:
             await registry.save_extraction(session, event.project_id, event.generation_id, result)
         return result
+
+
+async def _pause_after_rate_limit(attempt: int) -> None:
+    await asyncio.sleep(min(0.5 * 2**attempt, 8.0))
 
 
 def _replay_of(done: GenerationExtraction) -> ExtractionResult:

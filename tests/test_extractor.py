@@ -467,6 +467,33 @@ async def test_a_rate_limited_model_is_asked_again_after_a_pause(
     assert len(llm.calls_to("extract-rate-limited")) == 3
 
 
+async def test_a_target_rate_limited_to_the_last_attempt_fails_over_without_a_pause(
+    memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # After its last attempt the extraction still paused (up to 8 s) before it asked the next target.
+    from shared import extraction
+    from shared.providers import Target
+
+    pauses: list[int] = []
+
+    async def pause(attempt: int) -> None:
+        pauses.append(attempt)
+
+    monkeypatch.setattr(extraction, "_pause_after_rate_limit", pause)
+    def slow_down(_messages: list[dict[str, Any]]) -> str:
+        raise CustomLLMError(status_code=429, message="rate limit reached")
+
+    limited = llm.script("always-limited", slow_down)
+    second = llm.script("second-target", json.dumps(["A fact"]))
+    extractor = Extractor(sessions, None, llm_timeout=5, write_timeout=5, rate_limit_retries=2)  # type: ignore[arg-type]
+    event = turn_event(memory, limited, "gen_limited")
+    target, _completion = await extractor._complete(event, [Target(limited), Target(second)], [{"role": "user",
+                                                                                                  "content": "hi"}])
+    assert target.model == second and len(llm.calls_to("always-limited")) == 3
+    assert pauses == [0, 1]
+
+
 async def test_failover_to_the_second_route_target_and_usage(
     client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
 ) -> None:
