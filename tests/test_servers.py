@@ -193,6 +193,22 @@ async def test_database_connections_give_up_on_a_vanished_server(settings: Setti
     assert (operators["keepalives_idle"], operators["keepalives_interval"]) == ("120", "5")
 
 
+async def test_a_failed_statements_error_does_not_carry_its_parameters(settings: Settings) -> None:
+    # Logged with its trace, it listed them: tenants' facts, a turn's extracted facts.
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    assert settings.database_url
+    engine = create_engine(settings.database_url, pool_size=1)
+    try:
+        async with engine.connect() as connection:
+            with pytest.raises(DBAPIError) as failed:
+                await connection.execute(text("SELECT 1 / :zero, :fact"), {"zero": 0, "fact": "Alice is pregnant"})
+    finally:
+        await engine.dispose()
+    assert "division by zero" in str(failed.value) and "Alice is pregnant" not in str(failed.value)
+
+
 async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -45,6 +45,9 @@ def create_engine(
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_pre_ping=pre_ping,
+        # A failed statement's error (logged, with its trace) would list its parameters: tenants' facts, a
+        # turn's extracted facts, embeddings. The statement and the server's message say what went wrong.
+        hide_parameters=True,
         # What the URL sets itself is kept: an operator's choice for their network.
         connect_args={name: value for name, value in CONNECTION_DEFAULTS.items() if name not in url.query},
     )
