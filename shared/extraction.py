@@ -195,7 +195,8 @@ class Extractor:
         self._rate_limit_retries = rate_limit_retries
 
     async def extract(self, event: GenerationCompleted, *, arrived_at: datetime | None = None) -> ExtractionResult:
-        """Raises LlmError when every target failed: the caller lets JetStream redeliver (then dead-letters).
+        """Raises LlmError when every target failed (or gave an unreadable answer): the caller lets JetStream
+        redeliver (then dead-letters); WritesPending or WritesRefused when facts are queued or refused for now.
 
         `arrived_at`: when the turn reached the bus (the same on every redelivery); default now."""
         # The turn's time (a forgetting since then applies to its facts), never later than its arrival: a platform's
