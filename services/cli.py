@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.embeddings import LOCAL_PREFIX
+from shared.lifecycle import limit_malloc_arenas
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger("memories")
@@ -409,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
+    limit_malloc_arenas()
     _configure_logging()
     args = build_parser().parse_args(argv)
     try:

@@ -175,6 +175,45 @@ async def test_concurrent_calls_agree_with_a_sequential_one() -> None:
             assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
+def test_the_model_runs_a_bounded_number_of_texts_at_once_and_keeps_no_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each search's embedding ran in the thread pool with nothing bounding how many at once: twelve long queries
+    peaked at 4.8 GB (a run of a long text holds ~230 MB, and the arena kept it resident after), OOM for the API."""
+    from shared.embeddings import _onnx
+
+    encoder = _onnx.MiniLMEncoder()
+    session, _tokenizer = encoder._load()
+    assert session.get_session_options().enable_cpu_mem_arena is False
+    running, most = 0, 0
+    counting = threading.Lock()
+    pool = encoder._pool
+
+    def counted(*args: Any) -> Any:
+        nonlocal running, most
+        with counting:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.05)
+            return pool(*args)
+        finally:
+            with counting:
+                running -= 1
+
+    monkeypatch.setattr(encoder, "_pool", counted)
+    threads = [threading.Thread(target=encoder.encode, args=(["A query", "Another"],)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most == _onnx.RUNS_AT_ONCE
+
+
+def test_the_service_processes_keep_few_malloc_arenas() -> None:
+    from shared.lifecycle import limit_malloc_arenas
+
+    assert limit_malloc_arenas() is (sys.platform == "linux")  # glibc here; elsewhere its allocator's own ways
+
+
 async def test_words_the_vocabulary_cannot_spell_are_told_apart() -> None:
     """Each word the English vocabulary cannot spell is one [UNK], all alike: these pairs were one vector each
     (cosine 1.0), and a write of the second was skipped as a copy of the first. A stand-in per word tells them
