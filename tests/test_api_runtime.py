@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -316,3 +317,15 @@ async def test_an_answer_to_a_client_that_hung_up_is_dropped_quietly() -> None:
     await ResponseCounter(answer)(scope, None, closed)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="something else"):  # any other failure is still one
         await ResponseCounter(answer)(scope, None, broken)  # type: ignore[arg-type]
+
+
+async def test_readiness_does_not_wait_for_a_connection_the_requests_hold(settings: Settings) -> None:
+    # Requests holding every pooled connection (edits waiting for a memory's lock) made /readyz wait for one, past
+    # the probe's timeout: every replica under the same load left the load balancer at once.
+    async with open_api(settings) as (app, api), contextlib.AsyncExitStack() as held:
+        engine = app.state.sessions.kw["bind"]
+        for _ in range(engine.pool.size() + engine.pool._max_overflow):
+            session = await held.enter_async_context(app.state.sessions())
+            await session.connection()
+        ready = await asyncio.wait_for(api.get(api.base_url.join("/readyz")), 5)
+        assert ready.status_code == 200, ready.text

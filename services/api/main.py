@@ -58,6 +58,7 @@ def create_app(settings: Settings) -> FastAPI:
         # A request waits for a memory's lock (a writer deciding, maybe with a slow model) no longer than for a
         # write, and is then told to retry: a 503, not a connection held for minutes.
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
+        app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)  # /readyz's own
         nc = await bus.connect(settings.nats_url, name="memories-api")
         await bus.ensure_layout(nc.jetstream(), settings)
         sessions = session_factory(engine)
@@ -92,6 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await lag_poller
             await nc.drain()
             await engine.dispose()
+            await app.state.probe_engine.dispose()
 
     app = FastAPI(
         title="Memories",

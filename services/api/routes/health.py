@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
@@ -14,12 +16,18 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+PROBE_TIMEOUT_S = 2.0
+"""Within a probe's timeout (deploy/k8s: 3 s): a database that does not answer by then is unavailable."""
+
+
 @router.get("/readyz", summary="The database and the bus are reachable")
 async def readyz(request: Request) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
-        async with request.app.state.sessions() as session:
-            await session.execute(text("SELECT 1"))
+        # On a connection of its own: requests holding every pooled connection (edits waiting for a memory's lock)
+        # made the probe wait for one, and fail, and every replica under the same load left the load balancer.
+        async with asyncio.timeout(PROBE_TIMEOUT_S), request.app.state.probe_engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"unavailable: {type(exc).__name__}"
