@@ -280,26 +280,32 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
     """A service's event loop: uvloop, as uvicorn picks for the API (less CPU per socket event); its exit status."""
     import uvloop
 
-    from shared.bus import PartitionCountMismatch
+    from shared.settings import ConfiguredUnlike
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
             return runner.run(main)
-        except PartitionCountMismatch as exc:  # configured unlike the bus: what to change, not a traceback
+        except ConfiguredUnlike as exc:  # configured unlike the servers: what to change, not a traceback
             log.critical("%s", exc)
             return 1
 
 
-async def _partitions_alike(settings: Settings) -> int:
-    """0 when the bus is laid out for this service's partition count (or not yet laid out); raises
-    PartitionCountMismatch otherwise."""
+async def _configured_alike(settings: Settings) -> int:
+    """0 when the bus is laid out for this service's partition count and the stored vectors have its embedding
+    dimension (or neither is made yet); raises ConfiguredUnlike otherwise."""
     from shared import bus
+    from shared.db.session import check_embedding_dimensions, create_engine
 
     nc = await bus.connect(settings.nats_url or "", name="memories-api-check")
     try:
         await bus.check_partitions(nc.jetstream(), settings)
     finally:
         await nc.close()
+    engine = create_engine(settings.database_url or "", pool_size=1, max_overflow=0)
+    try:
+        await check_embedding_dimensions(engine, settings.embedding_dimensions)
+    finally:
+        await engine.dispose()
     return 0
 
 
@@ -321,8 +327,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     settings = get_settings()
     if _missing_servers(settings, "api"):
         return 2
-    # uvicorn reports a failed start with the lifespan's traceback; a count unlike the bus's is said in one line first.
-    if run_service(_partitions_alike(settings)):
+    # uvicorn reports a failed start with the lifespan's traceback; servers configured otherwise are said in one line.
+    if run_service(_configured_alike(settings)):
         return 1
     uvicorn.run(
         create_app(settings),
@@ -410,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
+    from shared.events import problem_of
+
     limit_malloc_arenas()
     _configure_logging()
     args = build_parser().parse_args(argv)
@@ -427,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A setting from the environment that does not validate: say which, as a usage error, not a traceback.
         for error in exc.errors():
             name = str(error["loc"][0]).upper() if error["loc"] else "?"
-            print(f"invalid setting {name}: {error['msg']}", file=sys.stderr)
+            print(f"invalid setting {name}: {problem_of(error)}", file=sys.stderr)
         return 2
 
 

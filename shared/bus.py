@@ -32,7 +32,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.events import DeadLetter, MemoryEntryChanged, storable
-from shared.settings import Settings
+from shared.settings import ConfiguredUnlike, Settings
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ PARTITIONS_METADATA = "memories_partitions"
 """MEMORY_WRITES records the partition count it was laid out for (`memories bus init` sets it)."""
 
 
-class PartitionCountMismatch(RuntimeError):
+class PartitionCountMismatch(ConfiguredUnlike):
     """A service configured for another partition count than the bus: its writes would land on partitions no
     writer consumes, or a memory's writes on two partitions (out of order)."""
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WRITE_TIMEOUT_MAX_S = 20.0
 """A caller waits for its write (after up to 5 s to publish it) less than `repository.STALE_PENDING`, after which a
 retry with the same key takes the write over: a longer wait would let the retry republish while the first caller
 still waits."""
+
+
+class ConfiguredUnlike(RuntimeError):
+    """A service configured unlike what its servers hold (the bus's partition count, the stored vectors' dimension):
+    it refuses to start, saying what to change, rather than fail every write it takes."""
 
 
 class Settings(BaseSettings):
@@ -52,6 +57,18 @@ class Settings(BaseSettings):
     # Models. The embedding dimension is fixed by the first migration.
     embedding_model: str = "local/all-minilm-l6-v2-int8"
     embedding_dimensions: int = Field(default=384, ge=1, le=16000)
+
+    @field_validator("embedding_dimensions")
+    @classmethod
+    def _the_local_models_own(cls, dimensions: int, info: ValidationInfo) -> int:
+        # The first migration makes the column this wide: a wrong value for the local model broke the install for
+        # good (every write failed and was dead-lettered, even once the setting was corrected).
+        from shared.embeddings import LOCAL_DIMENSIONS, LOCAL_PREFIX
+
+        model = info.data.get("embedding_model", "")
+        if model.startswith(LOCAL_PREFIX) and dimensions != LOCAL_DIMENSIONS:
+            raise ValueError(f"the local model {model} makes vectors of {LOCAL_DIMENSIONS} dimensions")
+        return dimensions
     memories_merge_model: str | None = Field(
         default=None, description="litellm model for merges when the agent context names none"
     )

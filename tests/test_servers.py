@@ -209,6 +209,27 @@ async def test_a_failed_statements_error_does_not_carry_its_parameters(settings:
     assert "division by zero" in str(failed.value) and "Alice is pregnant" not in str(failed.value)
 
 
+async def test_a_service_refuses_an_embedding_dimension_unlike_the_stored_vectors(settings: Settings) -> None:
+    # A wrong EMBEDDING_DIMENSIONS failed every write (each dead-lettered), with every service reporting ready.
+    from pydantic import ValidationError
+
+    from shared.db.session import DimensionMismatch, check_embedding_dimensions
+
+    assert settings.database_url
+    with pytest.raises(ValidationError, match="makes vectors of 384 dimensions"):  # before any migration makes it so
+        Settings(embedding_dimensions=12)
+    engine = create_engine(settings.database_url, pool_size=1)
+    unreachable = create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none", pool_size=1)
+    try:
+        await check_embedding_dimensions(engine, 384)
+        with pytest.raises(DimensionMismatch, match="stores vectors of 384 dimensions"):
+            await check_embedding_dimensions(engine, 1536)
+        await check_embedding_dimensions(unreachable, 1536)  # not checked now: the service waits for its database
+    finally:
+        await engine.dispose()
+        await unreachable.dispose()
+
+
 async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -22,7 +22,7 @@ from services.writer.provenance import ProvenanceHandler
 from shared import bus, metrics
 from shared.batching import Coalescer
 from shared.consumer_process import ConsumerProcess
-from shared.db.session import session_factory
+from shared.db.session import check_embedding_dimensions, session_factory
 from shared.embeddings import embed_texts
 from shared.settings import Settings
 from shared.writes import WriteApplier
@@ -64,6 +64,7 @@ class Writer(ConsumerProcess):
     async def prepare(self, nc: NatsClient) -> None:
         model = self.settings.embedding_model
         dimensions = self.settings.embedding_dimensions
+        await check_embedding_dimensions(self.engine, dimensions)
 
         async def embed_batch(texts: list[str]) -> list[list[float]]:
             return await embed_texts(texts, model=model, dimensions=dimensions, purpose=metrics.Purpose.WRITE)

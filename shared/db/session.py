@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
 import psycopg
 from pgvector.psycopg.vector import register_vector_info
 from psycopg.types import TypeInfo
-from sqlalchemy import event, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import event, make_url, text
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from shared.settings import ConfiguredUnlike
+
+log = logging.getLogger("memories.db")
 
 # A dead server must surface as an error quickly (a 503, a write waited out and retried), not hang. libpq's TCP
 # settings bound a wait on a server whose host vanished without closing the connection (a failover, a dropped
@@ -93,3 +98,29 @@ class _Session(AsyncSession):
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False, class_=_Session)
+
+
+class DimensionMismatch(ConfiguredUnlike):
+    """EMBEDDING_DIMENSIONS unlike the stored vectors': every write would fail (and be dead-lettered)."""
+
+
+# pgvector keeps a vector column's dimension as its type modifier; no row before the first migration.
+_STORED_DIMENSIONS = text(
+    "SELECT atttypmod FROM pg_attribute WHERE attrelid = to_regclass('memory_entries') AND attname = 'embedding'"
+)
+
+
+async def check_embedding_dimensions(engine: AsyncEngine, dimensions: int) -> None:
+    """Raises DimensionMismatch unless the stored vectors have `dimensions` (or nothing is migrated yet). A database
+    that cannot be reached now is not checked: a service starts all the same and waits for it, as it would later."""
+    try:
+        async with engine.connect() as connection:
+            stored = await connection.scalar(_STORED_DIMENSIONS)
+    except (OperationalError, OSError) as exc:
+        log.warning("the stored vectors' dimension could not be checked: %s", str(exc).splitlines()[0])
+        return
+    if stored is not None and stored > 0 and stored != dimensions:
+        raise DimensionMismatch(
+            f"EMBEDDING_DIMENSIONS is {dimensions} here, but the database stores vectors of {stored} dimensions "
+            "(fixed by its first migration): configure the model and dimensions it was created with"
+        )
