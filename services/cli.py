@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,28 +69,60 @@ def _admin_token(settings: Settings) -> str:
     return path.read_text().strip()
 
 
+def _ports_taken(host: str, api_port: int, metrics_ports: dict[str, int]) -> str | None:
+    """Why the local run's ports cannot be used, before anything starts (the API found its port taken only after
+    the servers, the migrations and the model: ~7 s, and the writer's metrics port with a 40-line traceback)."""
+    wanted = {"the API (MEMORIES_PORT)": api_port} | {f"the {name}'s metrics": port for name, port in metrics_ports.items()}
+    if len(set(wanted.values())) < len(wanted):
+        return (f"two services would listen on one port ({', '.join(f'{who} {port}' for who, port in wanted.items())}):"
+                " the writer's metrics go on MEMORIES_METRICS_PORT, the extractor's on the next port")
+    for who, port in wanted.items():
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                return f"port {port} for {who} on {host} cannot be used: {exc.strerror or exc}"
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
-    from shared.servers import LOCAL_RUN_NATS_FILE, EmbeddedNats, EmbeddedPostgres
+    from shared.servers import LOCAL_RUN_NATS_FILE, EmbeddedNats, EmbeddedPostgres, ServerStartError
 
     settings = get_settings()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    host, port = args.host or settings.memories_host, args.port or settings.memories_port
+    metrics_ports = _metrics_ports(settings)
+    if refused := _ports_taken(host, port, metrics_ports):
+        print(f"memories up: {refused}", file=sys.stderr)
+        return 1
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, a read-only mount
+        print(f"memories up: the data directory {settings.data_dir} cannot be used: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     started: list[EmbeddedPostgres | EmbeddedNats] = []
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
     noted_nats: Path | None = None
     try:
-        if not settings.database_url:
-            postgres = EmbeddedPostgres(settings.data_dir / "postgres")
-            env["DATABASE_URL"] = postgres.start()
-            started.append(postgres)
-            log.info("embedded PostgreSQL at %s", env["DATABASE_URL"])
+        try:
+            if not settings.database_url:
+                postgres = EmbeddedPostgres(settings.data_dir / "postgres")
+                env["DATABASE_URL"] = postgres.start()
+                started.append(postgres)
+                log.info("embedded PostgreSQL at %s", env["DATABASE_URL"])
+            if not settings.nats_url:
+                nats_server = EmbeddedNats(settings.data_dir / "nats")
+                env["NATS_URL"] = nats_server.start()
+                started.append(nats_server)
+                log.info("embedded NATS at %s", env["NATS_URL"])
+        except (ServerStartError, OSError) as exc:  # another `up` on this data dir, a directory not writable
+            print(f"memories up: {exc}", file=sys.stderr)
+            return 1
         if not settings.nats_url:
-            nats_server = EmbeddedNats(settings.data_dir / "nats")
-            env["NATS_URL"] = nats_server.start()
-            started.append(nats_server)
-            log.info("embedded NATS at %s", env["NATS_URL"])
             # For the one-shot commands (`dlq`, `bus init`); a NATS_URL given to `up` is the operator's to share.
             noted_nats = settings.data_dir / LOCAL_RUN_NATS_FILE
             noted_nats.write_text(env["NATS_URL"])
@@ -98,10 +131,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 print(f"memories up: {refused}", file=sys.stderr)
                 return 1
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
-        env["MEMORIES_HOST"] = args.host or settings.memories_host
-        env["MEMORIES_PORT"] = str(args.port or settings.memories_port)
+        env["MEMORIES_HOST"] = host
+        env["MEMORIES_PORT"] = str(port)
         upgrade(env["DATABASE_URL"])
-        metrics_ports = _metrics_ports(settings)
         for service in _SERVICES:
             # On the API's address (local unless --host says otherwise): /metrics and the probes need no token.
             child_env = {**env, "MEMORIES_METRICS_PORT": str(metrics_ports.get(service, 0)),
@@ -388,16 +420,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.bench_args))
 
 
+def _port(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is no TCP port (1 to 65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memories", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="embedded PostgreSQL + NATS, migrations, api, writer and extractor")
     up.add_argument("--host")
-    up.add_argument("--port", type=int)
+    up.add_argument("--port", type=_port)
     up.set_defaults(func=cmd_up)
     api = sub.add_parser("api", help="run the REST API against DATABASE_URL and NATS_URL")
     api.add_argument("--host")
-    api.add_argument("--port", type=int)
+    api.add_argument("--port", type=_port)
     api.set_defaults(func=cmd_api)
     writer = sub.add_parser("writer", help="run one writer replica")
     writer.add_argument("--partitions", help="e.g. 0-7 or 0,3,5 (default: all)")

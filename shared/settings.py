@@ -29,7 +29,7 @@ class Settings(BaseSettings):
 
     # API process.
     memories_host: str = "127.0.0.1"
-    memories_port: int = 8000
+    memories_port: int = Field(default=8000, ge=1, le=65535)
     memories_admin_token: str | None = Field(default=None, description="bearer token of the admin routes")
     memories_write_timeout_s: float = Field(
         default=10.0,

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -209,3 +210,29 @@ def test_a_second_ctrl_c_while_stopping_kills_what_still_runs() -> None:
     _stop_services([Stuck()], api_grace_s=25)  # type: ignore[list-item]
     assert killed == ["api"]
     assert signal.getsignal(signal.SIGINT) is before  # up's own handling comes back
+
+
+def test_up_refuses_what_it_cannot_run_on_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    # Found by an operator's walk-through: --port 99999 listened on 34463 and said 99999; MEMORIES_METRICS_PORT one
+    # below MEMORIES_PORT gave the extractor the API's port; a port in use failed the API after ~7 s of start-up;
+    # a data directory that is a file, or another run's, was a traceback.
+    env = {name: value for name, value in os.environ.items() if name not in _SERVER_SETTINGS}
+    env |= {"MEMORIES_DATA_DIR": str(tmp_path / "data")}
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        refusals = [
+            (_memories("up", "--port", "99999", env=env), 2, "99999 is no TCP port"),
+            (_memories("up", env=env | {"MEMORIES_PORT": "99999"}), 2, "invalid setting MEMORIES_PORT"),
+            (_memories("up", env=env | {"MEMORIES_PORT": str(port + 1), "MEMORIES_METRICS_PORT": str(port)}), 1,
+             "two services would listen on one port"),
+            (_memories("up", "--port", str(port), env=env), 1, f"port {port} for the API (MEMORIES_PORT)"),
+        ]
+    (tmp_path / "a-file").write_text("")
+    refusals.append((_memories("up", env=env | {"MEMORIES_DATA_DIR": str(tmp_path / "a-file"),
+                                                "MEMORIES_PORT": str(free_port())}), 1, "cannot be used"))
+    for done, status, said in refusals:
+        assert (done.returncode, "Traceback" in done.stderr) == (status, False), done.stderr
+        assert said in done.stderr, done.stderr
+    assert not (tmp_path / "data" / "postgres").exists()  # refused before any server started
