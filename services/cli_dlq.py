@@ -1,4 +1,4 @@
-"""Dead letters: `memories dlq list` and `memories dlq replay`."""
+"""Dead letters: `memories dlq list`, `memories dlq replay` and `memories dlq delete`."""
 
 from __future__ import annotations
 
@@ -26,17 +26,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     replay.add_argument("--all", action="store_true", help="every dead letter (of --origin, if given)")
     replay.add_argument("--origin", choices=ORIGINS, help="with --all: only this service's dead letters")
     replay.set_defaults(func=cmd_dlq_replay)
+    delete = verbs.add_parser("delete", help="delete dead letters not to be replayed (their body is gone for good)")
+    delete.add_argument("sequences", nargs="+", type=_sequence, metavar="SEQ", help="sequences shown by `dlq list`")
+    delete.set_defaults(func=cmd_dlq_delete)
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    value = _number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
 
 
+def _number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
 def _sequence(text: str) -> int:
-    value = int(text)
+    value = _number(text)
     if value < 1:  # a stream's sequences start at 1; NATS would answer 0 or less with a raw error
         raise argparse.ArgumentTypeError(f"a sequence is 1 or more, not {value}")
     return value
@@ -85,3 +95,15 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
             print(f"not replayed {result.sequence}: {result.error}", file=sys.stderr)
     print(f"{sum(r.ok for r in results)} replayed, {sum(not r.ok for r in results)} not replayed")
     return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_dlq_delete(args: argparse.Namespace) -> int:
+    results = with_jetstream(lambda js: dead_letters.discard(js, list(args.sequences)))
+    if results is None:
+        return 2
+    for sequence, deleted in results:
+        if deleted:
+            print(f"deleted {sequence}")
+        else:
+            print(f"not deleted {sequence}: no such dead letter", file=sys.stderr)
+    return 0 if all(deleted for _, deleted in results) else 1

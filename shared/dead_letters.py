@@ -123,6 +123,19 @@ async def replay_all(js: JetStreamContext, *, origin: str | None = None) -> list
     return [await _replay_one(js, letter) for letter in letters]
 
 
+async def discard(js: JetStreamContext, sequences: list[int]) -> list[tuple[int, bool]]:
+    """Delete dead letters not to be replayed (a client retried the write; an event no version will take): each
+    sequence, and whether there was such a dead letter."""
+    results = []
+    for sequence in sequences:
+        # Looked up first: deleting past the stream's last sequence is a server error ("stream store EOF").
+        found = await get_dead_letter(js, sequence) is not None
+        if found:
+            await js.delete_msg(bus.DEAD_LETTER_STREAM, sequence)
+        results.append((sequence, found))
+    return results
+
+
 async def _replay_one(js: JetStreamContext, letter: StoredDeadLetter) -> Replayed:
     stream = stream_of(letter.origin_subject)
     if stream is None:

@@ -132,6 +132,11 @@ async def test_a_poison_write_is_dead_lettered_listed_and_replayed(dlq_bus: Bus)
     letters = await wait_for_letters(dlq_bus.js, 1)
     assert [(again.origin_subject, again.body) for again in letters] == [(subject, letter.body)]
     assert letters[0].sequence > letter.sequence
+    # No version will take it: deleted, so that the dead-letter alert stops (it stayed for the stream's 30 days).
+    deleted = dlq_bus.cli("delete", str(letters[0].sequence), str(letters[0].sequence + 100))
+    assert deleted.returncode == 1 and f"deleted {letters[0].sequence}" in deleted.stdout
+    assert f"not deleted {letters[0].sequence + 100}: no such dead letter" in deleted.stderr
+    assert await dead_letters.list_dead_letters(dlq_bus.js) == []
 
 
 async def test_replaying_a_dead_lettered_valid_write_applies_it_once(
@@ -252,10 +257,12 @@ def test_one_shot_commands_give_up_on_an_unreachable_bus() -> None:
         assert time.monotonic() - started < 60, command
 
 
-def test_a_negative_dlq_limit_is_a_usage_error() -> None:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "dlq", "list", "--limit", "-1"],
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2 and "must be 0 or more" in done.stderr
+def test_a_negative_dlq_limit_or_a_sequence_that_is_no_number_is_a_usage_error() -> None:
+    for command, said in ((["list", "--limit", "-1"], "must be 0 or more"),
+                          (["replay", "abc"], "'abc' is not a whole number")):  # was "invalid _sequence value"
+        done = subprocess.run([sys.executable, "-m", "services.cli", "dlq", *command],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
 def test_one_shot_commands_say_when_the_bus_has_no_jetstream() -> None:
