@@ -318,6 +318,13 @@ class BusStatus:
     queued_writes: int  # messages in MEMORY_WRITES: more than the writer consumers' backlog means orphans
     consumers: list[ConsumerState]
 
+    @property
+    def unread_writes(self) -> int:
+        """Queued writes no consumer holds: on a partition beyond the count whose consumer was pruned (a publisher
+        left on the old count), for `memories bus reroute`."""
+        held = sum(state.pending + state.in_flight for state in self.consumers if state.stream == WRITES_STREAM)
+        return max(0, self.queued_writes - held)
+
 
 async def recorded_partitions(js: JetStreamContext) -> int | None:
     """The partition count MEMORY_WRITES is laid out for: recorded in its metadata by `memories bus init`, or, on a
