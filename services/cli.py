@@ -369,6 +369,8 @@ def cmd_api(args: argparse.Namespace) -> int:
         http=BoundedHeadHttpTools,
         log_level="info",
         access_log=False,
+        # A request in hand is let finish (a write waits up to the write timeout for its decision), then no longer.
+        timeout_graceful_shutdown=int(settings.memories_write_timeout_s) + 5,
         log_config=None,  # uvicorn's lines go through our handlers (JSON outside a terminal)
     )
     return 0

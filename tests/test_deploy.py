@@ -302,6 +302,18 @@ def test_k8s_long_running_containers_have_probes_and_resource_requests() -> None
                     assert ports[container["livenessProbe"]["httpGet"]["port"]] == metrics_port, where
 
 
+def test_the_api_drains_before_it_stops_and_has_the_time_for_a_write_in_hand() -> None:
+    # No pause before SIGTERM (requests routed to a pod whose listener had closed) and 30 s of grace for a write
+    # that may take 5 s to publish and MEMORIES_WRITE_TIMEOUT_S to be decided, then the bus drained.
+    from shared.settings import WRITE_TIMEOUT_MAX_S
+
+    (api,) = [doc for doc in of_kind("Deployment") if doc["metadata"]["name"] == "memories-api"]
+    pod = api["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pause >= 5 and pod["terminationGracePeriodSeconds"] >= pause + 5 + WRITE_TIMEOUT_MAX_S + 5
+
+
 def test_k8s_writers_cover_every_partition_once() -> None:
     specs = []
     for doc in of_kind("Deployment") + of_kind("StatefulSet"):
