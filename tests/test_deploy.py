@@ -314,6 +314,22 @@ def test_the_api_drains_before_it_stops_and_has_the_time_for_a_write_in_hand() -
     assert pause >= 5 and pod["terminationGracePeriodSeconds"] >= pause + 5 + WRITE_TIMEOUT_MAX_S + 5
 
 
+def test_the_nats_cluster_runs_the_server_version_the_tests_run() -> None:
+    # Unpinned, the chart deploys its own default: an older server has no pinned priority groups for the writers.
+    from shared.servers import nats_server_binary
+
+    values = yaml.safe_load((DEPLOY / "nats" / "helm-values.yaml").read_text())
+    tested = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True, text=True, check=True)
+    assert values["container"]["image"]["tag"] == tested.stdout.split()[-1].removeprefix("v") + "-alpine"
+
+
+def test_a_deployment_an_autoscaler_scales_leaves_its_count_to_it() -> None:
+    # A count in the Deployment reset the autoscaler's on every `kubectl apply -k`, stopping busy extractors.
+    scaled = {doc["spec"]["scaleTargetRef"]["name"] for doc in of_kind("HorizontalPodAutoscaler")}
+    assert scaled and all("replicas" not in doc["spec"] for doc in of_kind("Deployment")
+                          if doc["metadata"]["name"] in scaled)
+
+
 def test_k8s_writers_cover_every_partition_once() -> None:
     specs = []
     for doc in of_kind("Deployment") + of_kind("StatefulSet"):
