@@ -37,7 +37,7 @@ from shared.events import (
     utcnow,
 )
 from shared.ids import MEMORY_PREFIX, WRITE_PREFIX, is_valid_id
-from shared.llm import Completion, LlmError, RateLimited, complete
+from shared.llm import Completion, LlmError, PromptTooLong, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway
@@ -230,7 +230,11 @@ class Extractor:
             # Asked before, and its facts perhaps partly written: those facts again, never a second answer.
             facts, model = list(done.facts), done.model
         else:
-            asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
+            try:
+                asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
+            except PromptTooLong as exc:  # asked again, it would fail again, every delivery, and cost each time
+                reason = f"the turn does not fit the model's context window: {exc}"
+                return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
             async with self._sessions.begin() as session:
                 # Another extraction of this turn may have saved its answer first: that one is written; or finished
                 # the turn meanwhile: nothing is.
@@ -269,24 +273,26 @@ class Extractor:
         self, event: GenerationCompleted, targets: list[Target], prompt: list[dict[str, str]]
     ) -> tuple[Target, Completion]:
         """Each target in turn (failover); a rate limit is retried on the same target after a pause (the
-        service keeps telling JetStream the message is in progress meanwhile)."""
-        last_error: LlmError | None = None
+        service keeps telling JetStream the message is in progress meanwhile). Raises the last failure, or
+        PromptTooLong when the prompt fit no target (no delivery will change that)."""
+        failures: list[LlmError] = []
         for target in targets:
             agent = target.context(event.agent.id)
             for attempt in range(self._rate_limit_retries + 1):
                 try:
                     completion = await complete(prompt, agent=agent, timeout=self._llm_timeout, purpose=Purpose.EXTRACTION)
                 except RateLimited as exc:
-                    last_error = exc
+                    failures.append(exc)
                     if attempt < self._rate_limit_retries:  # the last one fails over at once
                         await _pause_after_rate_limit(attempt)
                     continue
                 except LlmError as exc:
-                    last_error = exc
+                    failures.append(exc)
                     break
                 await self._record_usage(event.project_id, target, completion)
                 return target, completion
-        raise last_error or LlmError("no target to try")
+        retryable = [failure for failure in failures if not isinstance(failure, PromptTooLong)]
+        raise (retryable or failures or [LlmError("no target to try")])[-1]
 
     async def _record_usage(self, project_id: str, target: Target, completion: Completion) -> None:
         async with self._sessions.begin() as session:

@@ -54,6 +54,10 @@ class RateLimited(LlmError):
     """The provider asked us to slow down: worth retrying the same target after a pause."""
 
 
+class PromptTooLong(LlmError):
+    """The prompt does not fit the model's context window: asked again, it never will."""
+
+
 FAILURE_MAX_CHARS = 300
 """A provider's error as a tenant reads it on its turn: enough to tell a wrong key from a full context."""
 
@@ -134,8 +138,13 @@ async def complete(
             prompt_tokens, completion_tokens = call.record_usage(response)
         text = response.choices[0].message.content or ""
     except Exception as exc:
-        # litellm maps every provider's "slow down" (HTTP 429) onto its RateLimitError.
-        error = RateLimited if isinstance(exc, litellm.RateLimitError) else LlmError
+        # litellm maps every provider's "slow down" (HTTP 429) onto its RateLimitError, and a prompt past the
+        # context window onto its ContextWindowExceededError.
+        error: type[LlmError] = LlmError
+        if isinstance(exc, litellm.RateLimitError):
+            error = RateLimited
+        elif isinstance(exc, litellm.ContextWindowExceededError):
+            error = PromptTooLong
         raise error(f"{purpose} completion with {agent.model!r} failed: {describe_failure(exc, api_key)}") from exc
     return Completion(text=text, model=agent.model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 

@@ -598,6 +598,22 @@ async def test_a_turn_naming_another_project_than_its_subject_is_dead_lettered(
     assert llm.calls_to("extract-foreign") == [] and await entries(client, target["id"]) == []
 
 
+async def test_a_turn_too_long_for_the_model_is_skipped_not_asked_again(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # A prompt past the context window failed every delivery (five paid calls), then the turn was dead-lettered.
+    import litellm
+
+    def too_long(_messages: list[dict[str, Any]]) -> str:
+        raise litellm.ContextWindowExceededError("maximum context length exceeded", "scripted/too-long", "scripted")
+
+    model = llm.script("too-long", too_long)
+    await client.post("/generations/completed", json=turn_body(memory, model, "gen_too_long"))
+    outcome = await finished(client, memory, "gen_too_long")
+    assert outcome["status"] == "skipped" and "does not fit the model's context window" in outcome["reason"]
+    assert len(llm.calls_to("too-long")) == 1
+
+
 async def test_a_turn_that_fails_unexpectedly_is_dead_lettered_not_retried_for_ever(
     client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
