@@ -400,8 +400,6 @@ def _text_of_parts(content: Any) -> Any:
         return content
     if not all(isinstance(part, dict) for part in content):
         raise ValueError("a list of content parts must hold objects ({type, text, …})")
-    if any("text" in part and not isinstance(part["text"], str) for part in content):
-        raise ValueError("a content part's text must be a string")  # a part with a text read as one without
     return " ".join(part["text"] for part in content if isinstance(part.get("text"), str)) or None
 
 

@@ -9,9 +9,11 @@ so a redelivered event writes nothing twice, and store the summary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -119,35 +121,46 @@ def build_prompt(event: GenerationCompleted, extraction: ExtractionConfig | None
 
 
 class UnreadableAnswer(LlmError):
-    """The model began an array it did not finish (cut off, malformed): not "no facts" (`[]`), which would be
-    stored as the turn's answer for good, but a failure, asked again."""
+    """The model began an array of facts it did not finish (cut off, malformed): not "no facts" (`[]`), which would
+    be stored as the turn's answer for good, but a failure, asked again."""
 
 
 _DECODER = json.JSONDecoder()
+_FACTS_BEGIN = re.compile(r"\[\s*[\"{]")
+"""Where an array of facts (strings or objects) begins: `["`, `[{`."""
 
 
-def _first_array(text: str) -> list[Any]:
-    """The first JSON array in the text, whatever prose stands around it (a `[` of the prose is passed over); none
-    in an answer of prose alone ("I found no facts"). UnreadableAnswer when a `[` opens none."""
-    start = text.find("[")
-    if start < 0:
-        return []
+def _facts_array(text: str) -> list[Any]:
+    """The answer's array of facts. As the contract reads it, from the first `[` to the last `]`; when that is no
+    JSON, the first array in the text that holds a string or an object (prose with brackets of its own around
+    it: "…] I skipped greetings [as instructed]." lost the facts before it). None in prose alone ("I found no
+    facts [only greetings]"). UnreadableAnswer when an array of facts was begun and none was finished."""
+    first, last = text.find("["), text.rfind("]")
+    if 0 <= first < last:
+        with contextlib.suppress(ValueError):
+            whole = json.loads(text[first : last + 1])
+            if isinstance(whole, list):
+                return whole
+    begun = False
+    start = first
     while start >= 0:
         try:
             items, _end = _DECODER.raw_decode(text, start)
         except ValueError:
-            start = text.find("[", start + 1)
-            continue
-        if isinstance(items, list):
-            return items
+            begun = begun or _FACTS_BEGIN.match(text, start) is not None
+        else:
+            if isinstance(items, list) and any(isinstance(item, str | dict) for item in items):
+                return items
         start = text.find("[", start + 1)
-    raise UnreadableAnswer(f"the model's answer ({len(text)} characters) holds no complete JSON array of facts")
+    if begun:
+        raise UnreadableAnswer(f"the model's answer ({len(text)} characters) begins an array of facts it does not end")
+    return []
 
 
 def parse_candidates(text: str) -> list[str]:
-    """The answer's first JSON array: strings or `{content}` objects; empty and over-long ones dropped; at most
-    20."""
-    items = _first_array(text)
+    """The answer's array of facts (`_facts_array`): strings or `{content}` objects; empty and over-long ones
+    dropped; at most 20."""
+    items = _facts_array(text)
     facts = []
     for item in items:
         content = item.get("content") if isinstance(item, dict) else item

@@ -135,6 +135,12 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.example/b.png"}}]},
     ])
     assert transcript_lines(parts) == ["user: I moved to Porto last week"]
+    # On the bus, a part whose text is none (a platform's serialiser writing `"text": null`) is passed over: the
+    # event was dead-lettered whole (the REST route refuses it, as a client's slip).
+    nulls = turn(TARGET, output=None, messages=[{"role": "user", "content": [
+        {"type": "image_url", "text": None, "image_url": {"url": "https://x.example/a.png"}},
+        {"type": "text", "text": "I moved to Porto"}]}])
+    assert transcript_lines(nulls) == ["user: I moved to Porto"]
     with pytest.raises(ValidationError):
         turn(TARGET, messages=[{"role": "user", "content": ["not a part"]}])
 
@@ -150,6 +156,11 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         # Prose with brackets of its own after the array (or before it) read as no JSON at all: facts lost.
         ('["The user owns a cat named Tom."]\n\nI skipped greetings [as instructed].', ["The user owns a cat named Tom."]),
         ('Skipping [greetings]: ["A"]', ["A"]),
+        ('I found [1] fact: ["x"]', ["x"]),  # an array of no facts before the one of facts
+        ("Nothing worth remembering here [only greetings].", []),  # prose with brackets: no facts, not a failure
+        ("No facts. See [the rules](http://x).", []),
+        ("[1, 2", []),
+        ('[["A"], ["B"]]', []),  # the contract's reading of the whole when it parses: no string items
         (json.dumps([f"fact {i}" for i in range(25)]), [f"fact {i}" for i in range(20)]),
         ('["A\\u0000B", "\\u0000 "]', ["AB"]),  # a model's NUL could never be stored
         ('["\\u200b", "\\ufeff \\u200b", "C"]', ["C"]),  # invisible characters only: blank, as a client's would be
@@ -161,7 +172,10 @@ def test_parse_candidates(text: str, facts: list[str]) -> None:
     assert parse_candidates(text) == facts
 
 
-@pytest.mark.parametrize("text", ['["unterminated', "[1, 2", 'The facts: ["A", "B"', "[oops]"])
+@pytest.mark.parametrize(
+    "text", ['["unterminated', 'The facts: ["A", "B"', '["The user prefers [] over null", "The user lives in',
+             '[{"content": "A"}, {"content": "B'],
+)
 def test_an_array_begun_and_not_finished_is_a_failure_not_no_facts(text: str) -> None:
     # An answer cut off (or malformed) was read as [] and stored as the turn's answer for good ("completed", no
     # candidates): never asked again.

@@ -55,6 +55,19 @@ class CompletedTurn(Strict):
     def _no_nul(cls, value: str | None) -> str | None:
         return refuse_nul(value) if value is not None else None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _text_parts_hold_text(cls, messages: Any) -> Any:
+        # A part with a text that is none was read as a part without one (the turn then said nothing): a client's
+        # slip, told here. On the bus such a part is passed over, as a platform's serialiser may write `"text": null`.
+        for message in messages if isinstance(messages, list) else []:
+            parts = message.get("content") if isinstance(message, dict) else None
+            if isinstance(parts, list) and any(
+                isinstance(part, dict) and "text" in part and not isinstance(part["text"], str) for part in parts
+            ):
+                raise ValueError("a content part's text must be a string")
+        return messages
+
     @field_validator("messages")
     @classmethod
     def _no_nul_in_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
