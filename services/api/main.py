@@ -74,6 +74,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.sessions = sessions
         app.state.read_sessions = session_factory(engine.execution_options(isolation_level="AUTOCOMMIT"))
         app.state.nats = nc
+        app.state.announcing = set()  # change events on their way (routes/entries.py), waited for at shutdown
         app.state.gateway = gateway
         app.state.memory_owners = MemoryOwners()
         app.state.live_keys = LiveKeys(nc, settings.memories_api_key_cache_s)
@@ -91,6 +92,8 @@ def create_app(settings: Settings) -> FastAPI:
             lag_poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await lag_poller
+            if app.state.announcing:
+                await asyncio.wait(app.state.announcing, timeout=bus.PUBLISH_TIMEOUT_S)
             await nc.drain()
             await engine.dispose()
             await app.state.probe_engine.dispose()

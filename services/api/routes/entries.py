@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -41,7 +41,6 @@ from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
-log = logging.getLogger("memories.api")
 
 
 async def load_entry(session: AsyncSession, principal_scope: str | None, entry_id: str) -> MemoryEntry:
@@ -303,16 +302,17 @@ async def delete_entry(entry_id: str, request: Request, session: SessionDep, pri
 
 
 async def _announce(request: Request, entry: MemoryEntry, kind: EntryChangeKind) -> None:
-    """The change feed, best-effort: the change is committed. Not while the bus is away: the publish would wait for
-    its acknowledgement (~5 s), and the answer with it."""
-    nc = request.app.state.nats
-    if not nc.is_connected:
-        log.warning("entry %s %s but not announced: not connected to NATS", entry.id, kind.value)
-        return
+    """The change feed, best-effort (the change is committed), published after the answer's way: while the bus
+    reconnects, the publish waits for it (or its acknowledgement, up to ~5 s), and the answer need not. The
+    client's buffer keeps it meanwhile, so a short reconnect loses nothing."""
     change = MemoryEntryChanged(
         event_id=new_id(EVENT_PREFIX), project_id=entry.project_id, memory_id=entry.memory_id, entry_id=entry.id, kind=kind
     )
-    await bus.announce_entry_change(nc.jetstream(), change, msg_id=change.event_id)
+    announcing = asyncio.create_task(
+        bus.announce_entry_change(request.app.state.nats.jetstream(), change, msg_id=change.event_id)
+    )
+    request.app.state.announcing.add(announcing)  # held until done: a task nothing refers to may be collected
+    announcing.add_done_callback(request.app.state.announcing.discard)
 
 
 def _edit_record(
