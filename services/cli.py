@@ -77,12 +77,15 @@ def _ports_taken(host: str, api_port: int, metrics_ports: dict[str, int]) -> str
         return (f"two services would listen on one port ({', '.join(f'{who} {port}' for who, port in wanted.items())}):"
                 " the writer's metrics go on MEMORIES_METRICS_PORT, the extractor's on the next port")
     for who, port in wanted.items():
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                return f"port {port} for {who} on {host} cannot be used: {exc.strerror or exc}"
+        if not 1 <= port <= 65535:
+            return f"port {port} for {who} is no TCP port (1 to 65535)"
+        try:
+            family, kind, protocol, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind, protocol) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:  # taken, or an address not of this host (socket.gaierror is one)
+            return f"port {port} for {who} on {host} cannot be used: {exc.strerror or exc}"
     return None
 
 
@@ -423,7 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _port(value: str) -> int:
-    port = int(value)
+    port = int(value) if value.isdigit() else 0
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is no TCP port (1 to 65535)")
     return port

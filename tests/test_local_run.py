@@ -224,6 +224,8 @@ def test_up_refuses_what_it_cannot_run_on_in_one_line_before_anything_starts(tmp
         taken.listen()
         refusals = [
             (_memories("up", "--port", "99999", env=env), 2, "99999 is no TCP port"),
+            (_memories("up", "--port", "abc", env=env), 2, "abc is no TCP port"),
+            (_memories("up", env=env | {"MEMORIES_METRICS_PORT": "65535"}), 1, "port 65536 for the extractor"),
             (_memories("up", env=env | {"MEMORIES_PORT": "99999"}), 2, "invalid setting MEMORIES_PORT"),
             (_memories("up", env=env | {"MEMORIES_PORT": str(port + 1), "MEMORIES_METRICS_PORT": str(port)}), 1,
              "two services would listen on one port"),
