@@ -124,8 +124,8 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
         return 2
     laid_out = "not laid out yet" if status.partitions is None else f"laid out for {status.partitions} partitions"
     print(f"{bus.WRITES_STREAM}: {laid_out}, {status.queued_writes} writes queued")
-    if status.unread_writes:
-        print(f"{status.unread_writes} of them on partitions no consumer reads: `memories bus reroute`")
+    if status.stranded_writes:
+        print(f"{status.stranded_writes} of them on partitions beyond the count: `memories bus reroute`")
     width = max([len("CONSUMER"), *(len(state.consumer) for state in status.consumers)])
     print(f"{'STREAM':16}  {'CONSUMER':{width}}  {'PENDING':>8}  {'IN FLIGHT':>9}  {'REDELIVERED':>11}  NOTE")
     notes = {"layout": "", "stale": "a partition beyond the count: `memories bus prune`", "other": "not the service's"}

@@ -315,15 +315,11 @@ class ConsumerState:
 @dataclass(frozen=True, slots=True)
 class BusStatus:
     partitions: int | None  # what MEMORY_WRITES is laid out for; None before `memories bus init`
-    queued_writes: int  # messages in MEMORY_WRITES: more than the writer consumers' backlog means orphans
+    queued_writes: int  # messages in MEMORY_WRITES
     consumers: list[ConsumerState]
-
-    @property
-    def unread_writes(self) -> int:
-        """Queued writes no consumer holds: on a partition beyond the count whose consumer was pruned (a publisher
-        left on the old count), for `memories bus reroute`."""
-        held = sum(state.pending + state.in_flight for state in self.consumers if state.stream == WRITES_STREAM)
-        return max(0, self.queued_writes - held)
+    stranded_writes: int = 0
+    """Queued on partitions beyond the count (a publisher left on the old count), with or without a consumer left:
+    for `memories bus reroute`."""
 
 
 async def recorded_partitions(js: JetStreamContext) -> int | None:
@@ -357,13 +353,14 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
     partitions = await recorded_partitions(js)
     plan = layout(settings)
     planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
-    states, queued = [], 0
+    states, queued, stranded = [], 0, 0
     for stream in plan.streams:
         name = stream.name or ""
         try:
             infos = await js.consumers_info(name)
             if name == WRITES_STREAM:
-                queued = (await js.stream_info(name)).state.messages
+                queued, subjects = await _queued_writes(js)
+                stranded = sum(count for _, _, count in _beyond(subjects, partitions))
         except NotFoundError:  # the layout is not applied yet
             continue
         for info in sorted(infos, key=lambda i: _listing_order(i.name)):
@@ -374,7 +371,23 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
                 info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, info.num_waiting or 0
             )
             states.append(ConsumerState(name, info.name, *counts, role=role))
-    return BusStatus(partitions, queued, states)
+    return BusStatus(partitions, queued, states, stranded)
+
+
+async def _queued_writes(js: JetStreamContext) -> tuple[int, dict[str, int]]:
+    """The writes queued in MEMORY_WRITES, and how many on each subject (a memory's, on its partition)."""
+    state = (await js.stream_info(WRITES_STREAM, subjects_filter=f"{WRITE_SUBJECT_ROOT}.>")).state
+    return state.messages, state.subjects or {}
+
+
+def _beyond(subjects: dict[str, int], partitions: int | None) -> list[tuple[str, int, int]]:
+    """(subject, partition, writes) of the subjects on a partition at or beyond the count."""
+    found = []
+    for subject, count in subjects.items():
+        partition, _, _memory = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
+        if partitions is not None and partition.isdigit() and int(partition) >= partitions:
+            found.append((subject, int(partition), count))
+    return found
 
 
 async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[list[str], list[str]]:
@@ -424,12 +437,12 @@ async def reroute_stranded_writes(js: JetStreamContext, settings: Settings) -> t
     consumed = {
         state.consumer for state in status.consumers if state.role == "stale" and (state.in_flight or state.pulling)
     }
-    queued = (await js.stream_info(WRITES_STREAM, subjects_filter=f"{WRITE_SUBJECT_ROOT}.>")).state.subjects or {}
+    _, subjects = await _queued_writes(js)
     moved = 0
-    for subject in queued:
-        partition, _, memory_id = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
-        if not partition.isdigit() or int(partition) < partitions or writer_durable(int(partition)) in consumed:
+    for subject, partition, _count in _beyond(subjects, partitions):
+        if writer_durable(partition) in consumed:
             continue
+        memory_id = subject.rsplit(".", 1)[1]
         sequence = 1
         while True:
             try:
