@@ -150,7 +150,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         probes = [f"http://{env['MEMORIES_HOST']}:{port}/readyz" for port in (env["MEMORIES_PORT"], *metrics_ports.values())]
         return _supervise(children, _until_ready(probes, f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"))
     finally:
-        _stop_services(children, api_grace_s=settings.memories_write_timeout_s + 5)
+        # uvicorn's own grace (the write timeout and 5 s), then the lifespan's shutdown: the change events on their
+        # way and the bus drained.
+        _stop_services(children, api_grace_s=settings.memories_write_timeout_s + 15)
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
             noted_nats.unlink(missing_ok=True)
         for server in reversed(started):
