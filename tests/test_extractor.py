@@ -201,14 +201,15 @@ async def test_a_slow_turn_holds_up_no_other_turn(
 ) -> None:
     # A fetched batch was handled together, the next fetched only when all of it was done: one turn waiting on a
     # slow model (or on its writes, up to ten minutes) held every other turn of the replica for as long.
-    slow = llm.script("extract-slow", json.dumps(["The user is patient"]), latency_s=8.0)
+    slow = llm.script("extract-slow", json.dumps(["The user is patient"]), latency_s=20.0)
     quick = llm.script("extract-quick", json.dumps(["The user is quick"]))
     for n in range(2):  # one after the other: each fetched alone, by either replica
         await client.post("/generations/completed", json=turn_body(memory, slow, f"gen_slow_{n}"))
-        for _ in range(100):  # with its model
+        for _ in range(200):  # with its model
             if len(llm.calls_to("extract-slow")) > n:
                 break
             await asyncio.sleep(0.05)
+        assert len(llm.calls_to("extract-slow")) == n + 1
     await asyncio.sleep(0.3)
     for n in range(4):
         await client.post("/generations/completed", json=turn_body(memory, quick, f"gen_quick_{n}"))
@@ -218,7 +219,13 @@ async def test_a_slow_turn_holds_up_no_other_turn(
         waiting = await client.get(f"/generations/gen_slow_{n}/extraction", params={"project_id": memory["project_id"]})
         assert waiting.json()["status"] == "pending"  # still with its model: the quick turns did not wait for it
     for n in range(2):
-        assert (await finished(client, memory, f"gen_slow_{n}"))["status"] == "completed"
+        await asyncio.sleep(1.0)
+        for _ in range(30):  # finished polls 15 s: the model answers after 20
+            status = await client.get(f"/generations/gen_slow_{n}/extraction", params={"project_id": memory["project_id"]})
+            if status.json()["status"] != "pending":
+                break
+            await asyncio.sleep(1.0)
+        assert status.json()["status"] == "completed"
 
 
 async def test_a_redelivered_turn_writes_nothing_twice(
@@ -582,14 +589,16 @@ async def test_a_turn_naming_another_project_than_its_subject_is_dead_lettered(
     other = (await client.post("/projects", json={"name": "other"})).json()
     target = (await client.post("/memories", json={"project_id": other["id"], "name": "theirs"})).json()
     foreign = turn_event(target, model, f"gen_foreign_{body_project.replace(' ', '_')}")
-    if body_project == "no id":
-        foreign = foreign.model_copy(update={"project_id": "proj_\u0000"})
+    subject_project = memory["project_id"]
+    if body_project == "no id":  # on its own subject, no other project's: only the id itself is wrong
+        foreign = foreign.model_copy(update={"project_id": "proj_short"})
+        subject_project = "proj_short"
     nc = await nats.connect(settings.nats_url)
     try:
         js = nc.jetstream()
         dead = await js.subscribe(f"{bus.DEAD_LETTER_ROOT}.extractor", stream=bus.DEAD_LETTER_STREAM,
                                   deliver_policy=nats.js.api.DeliverPolicy.NEW)
-        await js.publish(bus.generation_completed_subject(memory["project_id"]), foreign.model_dump_json().encode(),
+        await js.publish(bus.generation_completed_subject(subject_project), foreign.model_dump_json().encode(),
                          stream=bus.GENERATIONS_STREAM)
         letter = json.loads((await dead.next_msg(timeout=15)).data)
     finally:

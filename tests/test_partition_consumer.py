@@ -414,9 +414,10 @@ async def test_a_replica_given_a_partition_another_still_holds_writes_of_decides
 
 async def _until_ack_pending(js: Any, durable: str, count: int) -> None:
     for _ in range(250):
-        if (await js.consumer_info(bus.WRITES_STREAM, durable)).num_ack_pending == count:
+        if (pending := (await js.consumer_info(bus.WRITES_STREAM, durable)).num_ack_pending) == count:
             return
         await asyncio.sleep(0.02)
+    raise AssertionError(f"{pending} writes in flight, not {count}")
 
 
 async def test_a_replica_stopped_while_it_waits_for_the_former_holder_hands_back_what_it_fetched(
