@@ -44,8 +44,10 @@ class ConsumerProcess:
 
         One message a fetch, handled by the first of `workers` free (one: in order). A fetched batch would be
         handled together and the next fetched only once all of it is done: one slow message (a turn waiting for
-        its writes) held up the other workers' messages for as long. A message is fetched only when a worker is
-        about to be free, so at most one waits, fetched, for a worker."""
+        its writes) held up the other workers' messages for as long. While every worker is busy, one message waits
+        fetched for the next free one, not yet kept in progress: past the ack wait JetStream hands it to another
+        replica, and this one's later attempt finds it done (or asks its model again: the first facts saved are the
+        ones written); a stop leaves it to the ack wait."""
         return self.broker.subscriber(
             subject,
             stream=JStream(stream, declare=False),
