@@ -168,8 +168,7 @@ def _refuse_controls(value: str) -> str:
 
 
 GenerationId = Annotated[
-    str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\s\x00]+$"), AfterValidator(_refuse_controls),
-    AfterValidator(refuse_blank),
+    str, StringConstraints(max_length=255, pattern=r"^\S+$"), AfterValidator(_refuse_controls), AfterValidator(refuse_blank)
 ]
 """A platform's id of a model turn, as a client sends it: one visible word (a path segment its extraction is looked
 up and its facts forgotten by, shown as it is stored)."""
