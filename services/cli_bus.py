@@ -14,7 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from shared import bus
+from shared import bus, bus_admin
 from shared.servers import NATS_URL_MISSING, nats_url_for
 from shared.settings import Settings, get_settings
 
@@ -81,13 +81,13 @@ def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]
 def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
     """What `memories up` does with the NATS it started, before it starts any service: nothing publishes or consumes
     yet, the one moment a changed MEMORIES_PARTITIONS can be applied (as `bus init` would), the partitions it drops
-    pruned, and the writes the last run's writer held released at once (`bus.release_held_writes`). The refusal,
+    pruned, and the writes the last run's writer held released at once (`bus_admin.release_held_writes`). The refusal,
     when writes of the old count are still queued; None once laid out."""
 
     async def apply(js: JetStreamContext) -> None:
         await bus.ensure_layout(js, settings, sets_partitions=True)
-        await bus.prune_consumers(js, settings)
-        if released := await bus.release_held_writes(js, settings):
+        await bus_admin.prune_consumers(js, settings)
+        if released := await bus_admin.release_held_writes(js, settings):
             log.info("%d writes the last run's writer held are queued again, in order", released)
 
     try:
@@ -119,7 +119,7 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
 
 def cmd_bus_status(_args: argparse.Namespace) -> int:
     settings = get_settings()
-    status = with_jetstream(lambda js: bus.bus_status(js, settings))
+    status = with_jetstream(lambda js: bus_admin.bus_status(js, settings))
     if status is None:
         return 2
     laid_out = "not laid out yet" if status.partitions is None else f"laid out for {status.partitions} partitions"
@@ -139,7 +139,7 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_prune(_args: argparse.Namespace) -> int:
-    deleted, busy = _on_the_recorded_count(bus.prune_consumers)
+    deleted, busy = _on_the_recorded_count(bus_admin.prune_consumers)
     print(f"deleted: {', '.join(deleted) or 'none'}")
     return _refused_for(
         busy,
@@ -149,7 +149,7 @@ def cmd_bus_prune(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_reroute(_args: argparse.Namespace) -> int:
-    moved, consumed = _on_the_recorded_count(bus.reroute_stranded_writes)
+    moved, consumed = _on_the_recorded_count(bus_admin.reroute_stranded_writes)
     print(
         f"moved {moved} writes to their memory's partition, each after that memory's writes queued there"
         + (" (`memories bus prune` deletes the consumers left idle)" if moved else "")

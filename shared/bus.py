@@ -14,7 +14,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import nats
 import nats.errors
@@ -291,35 +291,13 @@ async def _check_partitions(js: JetStreamContext, settings: Settings, *, sets_pa
     if pulled:
         raise PartitionCountMismatch(
             f"the partition count cannot change from {recorded} to {settings.memories_partitions} while writers "
-            f"still consume ({', '.join(sorted(pulled, key=_listing_order))}): stop the publishers, let the writers "
+            f"still consume ({', '.join(sorted(pulled, key=listing_order))}): stop the publishers, let the writers "
             "drain, stop them, then apply the count (docs/operations.md)"
         )
     log.warning("partition count changed from %s to %s", recorded, settings.memories_partitions)
 
 
 _WRITER_DURABLE = re.compile(r"writer-p(\d+)")
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerState:
-    stream: str
-    consumer: str
-    pending: int  # not yet delivered
-    in_flight: int  # delivered, not acknowledged
-    redelivered: int
-    pulling: int  # pull requests waiting: a writer still consumes from it
-    role: Literal["layout", "stale", "other"]
-    """stale: a writer partition beyond the count; other: not the service's (an integrator's, say)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BusStatus:
-    partitions: int | None  # what MEMORY_WRITES is laid out for; None before `memories bus init`
-    queued_writes: int  # messages in MEMORY_WRITES
-    consumers: list[ConsumerState]
-    stranded_writes: int = 0
-    """Queued on partitions beyond the count (a publisher left on the old count), with or without a consumer left:
-    for `memories bus reroute`."""
 
 
 async def recorded_partitions(js: JetStreamContext) -> int | None:
@@ -332,152 +310,20 @@ async def recorded_partitions(js: JetStreamContext) -> int | None:
     recorded = (info.config.metadata or {}).get(PARTITIONS_METADATA)
     if recorded is not None:
         return int(recorded)
-    partitions = [_writer_partition(consumer.name) for consumer in await js.consumers_info(WRITES_STREAM)]
+    partitions = [writer_partition(consumer.name) for consumer in await js.consumers_info(WRITES_STREAM)]
     known = [p for p in partitions if p is not None]
     return max(known) + 1 if known else None
 
 
-def _writer_partition(consumer: str) -> int | None:
+def writer_partition(consumer: str) -> int | None:
     matched = _WRITER_DURABLE.fullmatch(consumer)
     return int(matched.group(1)) if matched else None
 
 
-def _listing_order(consumer: str) -> tuple[int, str]:
+def listing_order(consumer: str) -> tuple[int, str]:
     """Writer partitions in their numeric order (writer-p2 before writer-p10), after the other consumers by name."""
-    partition = _writer_partition(consumer)
+    partition = writer_partition(consumer)
     return (-1 if partition is None else partition, consumer)
-
-
-async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
-    """Every durable consumer of the layout's streams as JetStream reports it now (`memories bus status`)."""
-    partitions = await recorded_partitions(js)
-    plan = layout(settings)
-    planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
-    states, queued, stranded = [], 0, 0
-    for stream in plan.streams:
-        name = stream.name or ""
-        try:
-            infos = await js.consumers_info(name)
-            if name == WRITES_STREAM:
-                queued, subjects = await _queued_writes(js)
-                stranded = sum(count for _, _, count in _beyond(subjects, partitions))
-        except NotFoundError:  # the layout is not applied yet
-            continue
-        for info in sorted(infos, key=lambda i: _listing_order(i.name)):
-            partition = _writer_partition(info.name) if name == WRITES_STREAM else None
-            stale = partition is not None and partitions is not None and partition >= partitions
-            role = "stale" if stale else "layout" if (name, info.name) in planned else "other"
-            counts = (
-                info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, info.num_waiting or 0
-            )
-            states.append(ConsumerState(name, info.name, *counts, role=role))
-    return BusStatus(partitions, queued, states, stranded)
-
-
-async def _queued_writes(js: JetStreamContext) -> tuple[int, dict[str, int]]:
-    """The writes queued in MEMORY_WRITES, and how many on each subject (a memory's, on its partition)."""
-    state = (await js.stream_info(WRITES_STREAM, subjects_filter=f"{WRITE_SUBJECT_ROOT}.>")).state
-    return state.messages, state.subjects or {}
-
-
-def _beyond(subjects: dict[str, int], partitions: int | None) -> list[tuple[str, int, int]]:
-    """(subject, partition, writes) of the subjects on a partition at or beyond the count."""
-    found = []
-    for subject, count in subjects.items():
-        partition, _, _memory = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
-        if partitions is not None and partition.isdigit() and int(partition) >= partitions:
-            found.append((subject, int(partition), count))
-    return found
-
-
-async def prune_consumers(js: JetStreamContext, settings: Settings) -> tuple[list[str], list[str]]:
-    """Delete the writer partition consumers beyond the count MEMORY_WRITES is laid out for (`writer-p<N>`… after
-    the count was lowered), unless a message still waits on one (it would be lost with it) or a writer of the old
-    count still pulls from it (a write it takes after its consumer is gone is stuck): (deleted, kept because busy). Nothing else: another durable on these streams (an integrator's, on the change feed) is not ours.
-    Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
-    status = await bus_status(js, settings)
-    _require_the_recorded_count(status, settings, "prune")
-    deleted, busy = [], []
-    for state in status.consumers:
-        if state.role != "stale":
-            continue
-        if state.pending or state.in_flight or state.pulling:
-            busy.append(state.consumer)
-        else:
-            await js.delete_consumer(state.stream, state.consumer)
-            deleted.append(state.consumer)
-    return deleted, busy
-
-
-def _require_the_recorded_count(status: BusStatus, settings: Settings, verb: str) -> int:
-    """The count the bus is laid out for, when MEMORIES_PARTITIONS is it; else PartitionCountMismatch (a shell's
-    default, a typo: what is beyond the count would be judged by another one)."""
-    if status.partitions is None:
-        raise PartitionCountMismatch(f"the bus is not laid out yet: nothing to {verb} (`memories bus init` lays it out)")
-    if status.partitions != settings.memories_partitions:
-        raise PartitionCountMismatch(
-            f"the bus is laid out for {status.partitions} partitions, MEMORIES_PARTITIONS is "
-            f"{settings.memories_partitions} here: nothing done ({verb} with MEMORIES_PARTITIONS={status.partitions};"
-            " to change the count, follow docs/operations.md)"
-        )
-    return status.partitions
-
-
-REROUTED_MSG_ID_PREFIX = "rerouted"
-
-
-async def reroute_stranded_writes(js: JetStreamContext, settings: Settings) -> tuple[int, list[str]]:
-    """Move the writes queued on partitions beyond the count (published after the count was lowered, by a
-    publisher still configured for the old one: no writer takes them) to their memory's partition under the count,
-    where each is decided after that memory's writes queued there already: (writes moved, stale consumers left
-    alone because a writer of the old count still consumes them: it decides their writes).
-    Raises PartitionCountMismatch unless MEMORIES_PARTITIONS is the recorded count."""
-    status = await bus_status(js, settings)
-    partitions = _require_the_recorded_count(status, settings, "reroute")
-    consumed = {
-        state.consumer for state in status.consumers if state.role == "stale" and (state.in_flight or state.pulling)
-    }
-    _, subjects = await _queued_writes(js)
-    moved = 0
-    for subject, partition, _count in _beyond(subjects, partitions):
-        if writer_durable(partition) in consumed:
-            continue
-        memory_id = subject.rsplit(".", 1)[1]
-        sequence = 1
-        while True:
-            try:
-                stranded = await js.get_msg(WRITES_STREAM, seq=sequence, subject=subject, next=True)
-            except NotFoundError:
-                break
-            assert stranded.seq is not None
-            # Its own message id: moved twice (a crash before the delete, then a second run), the second is a
-            # duplicate the stream drops within its window; past the window the writer's record of the write is.
-            await js.publish(
-                write_subject(memory_id, partitions),
-                stranded.data or b"",
-                stream=WRITES_STREAM,
-                headers={"Nats-Msg-Id": f"{REROUTED_MSG_ID_PREFIX}.{stranded.seq}"},
-            )
-            await js.delete_msg(WRITES_STREAM, stranded.seq)
-            moved += 1
-            sequence = stranded.seq + 1
-    return moved, sorted(consumed, key=_listing_order)
-
-
-async def release_held_writes(js: JetStreamContext, settings: Settings) -> int:
-    """For a start no writer runs at (`memories up`, before its services): the writes a stopped run's writer held
-    (handed back as it stopped, or in flight when it died) would come back only after the ack wait, since NATS
-    forgets a hand-back when it restarts, and the first writer would hold their partitions that long, waiting for
-    them. A partition's consumer made anew hands them out at once, in order: MEMORY_WRITES keeps a write until it
-    is acknowledged. How many writes it released."""
-    released = 0
-    for info in await js.consumers_info(WRITES_STREAM):
-        if _writer_partition(info.name) is not None and info.num_ack_pending:
-            await js.delete_consumer(WRITES_STREAM, info.name)
-            released += info.num_ack_pending
-    if released:
-        await ensure_layout(js, settings)  # the consumers deleted, made anew
-    return released
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> None:

@@ -14,7 +14,7 @@ import pytest
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from shared import bus
+from shared import bus, bus_admin
 from shared.servers import EmbeddedNats
 from shared.settings import Settings
 
@@ -82,7 +82,7 @@ async def test_a_service_configured_for_another_partition_count_than_the_bus_ref
             js = nc.jetstream()
             # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
             with pytest.raises(bus.PartitionCountMismatch, match="not laid out yet"):
-                await bus.prune_consumers(js, Settings(memories_partitions=8))
+                await bus_admin.prune_consumers(js, Settings(memories_partitions=8))
             await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
             await bus.ensure_layout(js, Settings(memories_partitions=8))
             with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
@@ -228,7 +228,7 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
             kept, orphaned, consumed = _memory_on(6, 8, "k"), _memory_on(7, 8, "o"), _memory_on(5, 8, "c")
             for memory_id, body in ((kept, b"first"), (kept, b"second"), (consumed, b"taken")):
                 await js.publish(bus.write_subject(memory_id, 8), body, stream=bus.WRITES_STREAM)
-            assert (await bus.prune_consumers(js, Settings(memories_partitions=4)))[1] == ["writer-p5", "writer-p6"]
+            assert (await bus_admin.prune_consumers(js, Settings(memories_partitions=4)))[1] == ["writer-p5", "writer-p6"]
             await js.publish(bus.write_subject(orphaned, 8), b"orphan", stream=bus.WRITES_STREAM)  # no consumer left
             # A writer of the old count still consumes partition 5: it has its write in hand, and decides it.
             old_writer = await nc.subscribe(nc.new_inbox())
@@ -238,10 +238,10 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
             assert (await old_writer.next_msg(timeout=5)).data == b"taken"
 
             # `bus status` says them, the orphan too, which no consumer shows (it showed only "4 writes queued").
-            assert (await bus.bus_status(js, Settings(memories_partitions=4))).stranded_writes == 4
+            assert (await bus_admin.bus_status(js, Settings(memories_partitions=4))).stranded_writes == 4
             with pytest.raises(bus.PartitionCountMismatch, match="reroute with MEMORIES_PARTITIONS=4"):
-                await bus.reroute_stranded_writes(js, Settings(memories_partitions=8))
-            moved, left = await bus.reroute_stranded_writes(js, Settings(memories_partitions=4))
+                await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=8))
+            moved, left = await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4))
             assert (moved, left) == (3, ["writer-p5"])
 
             async def bodies(subject: str) -> list[bytes]:
@@ -259,6 +259,6 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
             assert await bodies(bus.write_subject(kept, 8)) == await bodies(bus.write_subject(orphaned, 8)) == []
             assert await bodies(bus.write_subject(consumed, 8)) == [b"taken"]  # its writer's to decide
             # Nothing stranded is left: a second run moves nothing.
-            assert await bus.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
+            assert await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
         finally:
             await nc.close()
