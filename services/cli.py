@@ -306,8 +306,12 @@ def _supervise(children: Sequence[subprocess.Popen[bytes]], ready: Callable[[], 
     while not stop:
         for child in children:
             if child.poll() is not None:
-                log.error("service %s exited with %s; stopping everything", child.args, child.returncode)
-                return child.returncode or 1
+                status = child.returncode
+                if status < 0:  # killed by a signal: said as a shell says it (128 + the signal), not -9 read as 247
+                    log.error("service %s was killed by %s; stopping everything", child.args, signal.Signals(-status).name)
+                    return 128 - status
+                log.error("service %s exited with %s; stopping everything", child.args, status)
+                return status or 1
         is_ready = is_ready or ready()
         time.sleep(0.2)
     return 0

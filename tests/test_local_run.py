@@ -238,3 +238,19 @@ def test_up_refuses_what_it_cannot_run_on_in_one_line_before_anything_starts(tmp
         assert (done.returncode, "Traceback" in done.stderr) == (status, False), done.stderr
         assert said in done.stderr, done.stderr
     assert not (tmp_path / "data" / "postgres").exists()  # refused before any server started
+
+
+def test_up_exits_as_a_shell_says_a_service_was_killed() -> None:
+    # A writer killed by SIGKILL made `up` exit with -9, which the shell reads as 247.
+    from types import SimpleNamespace
+
+    from services.cli import _supervise
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for code, status in ((-signal.SIGKILL, 137), (3, 3)):
+            child = SimpleNamespace(args=["writer"], returncode=code, poll=lambda code=code: code)
+            assert _supervise([child], lambda: True) == status  # type: ignore[list-item]
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
