@@ -331,6 +331,19 @@ def test_a_deployment_an_autoscaler_scales_leaves_its_count_to_it() -> None:
                           if doc["metadata"]["name"] in scaled)
 
 
+def test_the_api_and_each_writer_range_spread_their_replicas_over_nodes() -> None:
+    # Both replicas of a writer range on one node: a lost node left the range unconsumed until its pods moved.
+    for doc in of_kind("Deployment"):
+        if doc["metadata"]["name"] == "memories-extractor":
+            continue
+        template = doc["spec"]["template"]
+        (spread,) = template["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname", doc["metadata"]["name"]
+        chosen = spread["labelSelector"]["matchLabels"]
+        assert chosen.items() <= template["metadata"]["labels"].items(), doc["metadata"]["name"]
+        assert chosen.items() <= doc["spec"]["selector"]["matchLabels"].items() or "app.kubernetes.io/name" in chosen
+
+
 def test_k8s_writers_cover_every_partition_once() -> None:
     specs = []
     for doc in of_kind("Deployment") + of_kind("StatefulSet"):
