@@ -28,6 +28,17 @@ def _digits(value: object) -> object:
 Digits = BeforeValidator(_digits)
 
 
+def _true_or_false(value: object) -> object:
+    # Pydantic reads "yes", "on", "1", "t" as true: a client's guess is a 400, as a number's is.
+    if isinstance(value, str) and value not in ("true", "false"):
+        raise ValueError("must be true or false")
+    return value
+
+
+Flag = Annotated[bool, BeforeValidator(_true_or_false)]
+"""A query parameter's boolean, written as JSON writes one."""
+
+
 async def paging(  # async: a plain def dependency runs in the thread pool
     # The bounds before the validator: after one, pydantic publishes them as `ge`/`le`, which JSON Schema lacks.
     limit: Annotated[int, Query(description="page size, clamped to 1..100"), Digits] = 50,

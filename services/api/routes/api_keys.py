@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 from services.api.deps import AdminDep, ReadSessionDep, SessionDep, resolve_project
 from services.api.errors import not_found
-from services.api.pagination import PagingDep, paged
+from services.api.pagination import Flag, PagingDep, paged
 from services.api.routing import CheckedRoute
 from services.api.schemas import Name, OptionalTimestamp, Page, Strict, Timestamp
 from shared import iam
@@ -86,7 +86,7 @@ async def list_api_keys(
     admin: AdminDep,
     paging: PagingDep,
     project_id: str | None = None,
-    include_revoked: bool = False,
+    include_revoked: Flag = False,
 ) -> Page[ApiKeyOut]:
     project = await resolve_project(session, admin, project_id)
     rows, total = await repo.list_api_keys(session, project, include_revoked, paging.limit, paging.offset)

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
 from services.api.errors import ApiError, envelope, invalid, not_found
-from services.api.pagination import PagingDep, paged
+from services.api.pagination import Flag, PagingDep, paged
 from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.routing import CheckedRoute
 from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
@@ -189,7 +189,7 @@ async def list_entries(
     principal: PrincipalDep,
     paging: PagingDep,
     memory_id: Annotated[str, Query()],
-    include_invalidated: bool = False,
+    include_invalidated: Flag = False,
 ) -> Page[EntryOut]:
     memory = await load_memory(session, scope(principal), memory_id)
     rows, total = await repo.list_entries(session, memory.id, include_invalidated, paging.limit, paging.offset)
