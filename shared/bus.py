@@ -25,7 +25,6 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
-    DiscardPolicy,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -113,12 +112,6 @@ class Layout:
 def layout(settings: Settings) -> Layout:
     replicas = settings.memories_stream_replicas
     window = settings.memories_duplicate_window_s
-    # Bounded, or a stream fills the servers' disk (writers down for long, a flood of turns) and JetStream then
-    # refuses every publish, of every stream. Work is refused when its stream is full (the API answers 503: nothing
-    # accepted is lost); what is best-effort or aged out anyway gives up its oldest.
-    bounded = settings.memories_stream_max_bytes
-    refuse_new = {"max_bytes": bounded, "discard": DiscardPolicy.NEW}
-    drop_old = {"max_bytes": bounded, "discard": DiscardPolicy.OLD}
     writes = StreamConfig(
         name=WRITES_STREAM,
         subjects=[f"{WRITE_SUBJECT_ROOT}.>"],
@@ -128,7 +121,6 @@ def layout(settings: Settings) -> Layout:
         num_replicas=replicas,
         duplicate_window=window,
         metadata={PARTITIONS_METADATA: str(settings.memories_partitions)},
-        **refuse_new,
     )
     events = StreamConfig(
         name=EVENTS_STREAM,
@@ -138,7 +130,6 @@ def layout(settings: Settings) -> Layout:
         num_replicas=replicas,
         max_age=7 * 24 * 3600,
         duplicate_window=window,
-        **drop_old,
     )
     generations = StreamConfig(
         name=GENERATIONS_STREAM,
@@ -148,7 +139,6 @@ def layout(settings: Settings) -> Layout:
         num_replicas=replicas,
         max_age=7 * 24 * 3600,
         duplicate_window=window,
-        **refuse_new,
     )
     dead = StreamConfig(
         name=DEAD_LETTER_STREAM,
@@ -157,7 +147,6 @@ def layout(settings: Settings) -> Layout:
         storage=StorageType.FILE,
         num_replicas=replicas,
         max_age=30 * 24 * 3600,
-        **drop_old,
     )
     writers = [
         writer_consumer(
@@ -385,8 +374,6 @@ async def publish_or_refuse(nc: NatsClient, subject: str, data: bytes, *, stream
         await nc.jetstream().publish(
             subject, data, stream=stream, timeout=PUBLISH_TIMEOUT_S, headers={"Nats-Msg-Id": msg_id}
         )
-    except nats.js.errors.APIError as exc:  # JetStream answered: not stored (a full stream, no stream at all)
-        raise BusUnavailable(exc.description or str(exc)) from exc
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise BusUnavailable(str(exc) or type(exc).__name__, sent=True) from exc
 

@@ -47,11 +47,6 @@ class Settings(BaseSettings):
     memories_partitions: int = Field(default=16, ge=1, le=1024)
     memories_stream_replicas: int = Field(default=1, ge=1, le=5)
     memories_duplicate_window_s: float = Field(default=120.0, gt=0)
-    memories_stream_max_bytes: int = Field(
-        default=4 * 2**30, ge=2**20,
-        description="each stream's bound on disk: full, the write queue and the turns refuse new messages (a 503), "
-        "the change feed and the dead letters drop their oldest",
-    )
     memories_ack_wait_s: float = Field(default=30.0, gt=0)
     memories_max_deliver: int = Field(default=5, ge=1)
     memories_retry_backoff_s: float = Field(default=1.0, gt=0, description="a failed message is redelivered after twice this, then doubling (at most 30 s); an outage's first pause")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import nats.errors
 import psycopg.errors
 import pytest
-from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StreamConfig
+from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared import bus, bus_admin
@@ -260,28 +260,5 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
             assert await bodies(bus.write_subject(consumed, 8)) == [b"taken"]  # its writer's to decide
             # Nothing stranded is left: a second run moves nothing.
             assert await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
-        finally:
-            await nc.close()
-
-
-async def test_a_full_write_queue_refuses_new_writes_and_says_so(tmp_path: Path) -> None:
-    # Unbounded, a stream grew until the servers' disk was full (writers down for long), and then JetStream refused
-    # every publish of every stream. The write queue refuses new writes when full: nothing accepted is lost.
-    settings = Settings(memories_partitions=2, memories_stream_max_bytes=2**20)
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-full")
-        try:
-            js = nc.jetstream()
-            await bus.ensure_layout(js, settings)
-            configs = {name: (await js.stream_info(name)).config for name in (bus.WRITES_STREAM, bus.EVENTS_STREAM)}
-            assert configs[bus.WRITES_STREAM].max_bytes == 2**20
-            assert configs[bus.EVENTS_STREAM].discard == DiscardPolicy.OLD  # best-effort: gives up its oldest
-            body = b"x" * 200_000
-            with pytest.raises(bus.BusUnavailable) as refused:
-                for n in range(10):
-                    await bus.publish_or_refuse(nc, bus.write_subject(f"mem_{n}", 2), body, stream=bus.WRITES_STREAM,
-                                                msg_id=f"w{n}")
-            assert not refused.value.sent and "maximum bytes" in str(refused.value)  # refused, not maybe stored
-            assert (await js.stream_info(bus.WRITES_STREAM)).state.messages == n  # the ones taken are kept
         finally:
             await nc.close()
