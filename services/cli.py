@@ -308,7 +308,7 @@ def _supervise(children: Sequence[subprocess.Popen[bytes]], ready: Callable[[], 
             if child.poll() is not None:
                 status = child.returncode
                 if status < 0:  # killed by a signal: said as a shell says it (128 + the signal), not -9 read as 247
-                    log.error("service %s was killed by %s; stopping everything", child.args, signal.Signals(-status).name)
+                    log.error("service %s was killed by signal %s; stopping everything", child.args, -status)
                     return 128 - status
                 log.error("service %s exited with %s; stopping everything", child.args, status)
                 return status or 1

@@ -374,6 +374,9 @@ async def publish_or_refuse(nc: NatsClient, subject: str, data: bytes, *, stream
         await nc.jetstream().publish(
             subject, data, stream=stream, timeout=PUBLISH_TIMEOUT_S, headers={"Nats-Msg-Id": msg_id}
         )
+    except (nats.js.errors.APIError, nats.js.errors.NoStreamResponseError) as exc:
+        # JetStream answered with an error, or no stream took the subject: nothing was stored.
+        raise BusUnavailable(getattr(exc, "description", None) or str(exc) or type(exc).__name__) from exc
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise BusUnavailable(str(exc) or type(exc).__name__, sent=True) from exc
 

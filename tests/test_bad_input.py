@@ -457,12 +457,13 @@ def test_every_api_route_refuses_what_no_route_takes() -> None:
     assert [r.path for r in api_routes if not isinstance(r, CheckedRoute)] == []
 
 
-@pytest.mark.parametrize("value", ["yes", "on", "1", "True", "t"])
+@pytest.mark.parametrize("value", ["yes", "on", "1", "t"])
 async def test_a_query_boolean_is_true_or_false(client: httpx.AsyncClient, memory: dict[str, Any], value: str) -> None:
     # "yes", "on", "1" were read as true: a guess, where a query number that is no number is a 400.
     listed = await client.get("/memory-entries", params={"memory_id": memory["id"], "include_invalidated": value})
     assert_envelope(listed, 400)
     keys = await client.get("/api-keys", params={"project_id": memory["project_id"], "include_revoked": value})
     assert_envelope(keys, 400)
-    fine = await client.get("/memory-entries", params={"memory_id": memory["id"], "include_invalidated": "true"})
-    assert fine.status_code == 200
+    for fine in ("true", "True", "false"):  # Python's urlencode writes True as "True"
+        listed = await client.get("/memory-entries", params={"memory_id": memory["id"], "include_invalidated": fine})
+        assert listed.status_code == 200, fine

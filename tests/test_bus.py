@@ -262,3 +262,21 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
             assert await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
         finally:
             await nc.close()
+
+
+async def test_a_publish_jetstream_answers_with_an_error_is_known_not_stored(tmp_path: Path) -> None:
+    # Every failure counted as "sent, may still be applied" (a 503 that said so, with a write id to look up), even
+    # when JetStream had answered that it stored nothing.
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus.connect(server.url, name="test-refused")
+        try:
+            await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2))
+            with pytest.raises(bus.BusUnavailable) as refused:  # the subject is not the named stream's
+                await bus.publish_or_refuse(nc, bus.write_subject("mem_x", 2), b"{}", stream=bus.EVENTS_STREAM,
+                                            msg_id="w1")
+            assert not refused.value.sent
+            with pytest.raises(bus.BusUnavailable) as unheard:  # no stream takes the subject at all
+                await bus.publish_or_refuse(nc, "nowhere.at.all", b"{}", stream=bus.WRITES_STREAM, msg_id="w2")
+            assert not unheard.value.sent
+        finally:
+            await nc.close()

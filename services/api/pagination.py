@@ -29,8 +29,9 @@ Digits = BeforeValidator(_digits)
 
 
 def _true_or_false(value: object) -> object:
-    # Pydantic reads "yes", "on", "1", "t" as true: a client's guess is a 400, as a number's is.
-    if isinstance(value, str) and value not in ("true", "false"):
+    # Pydantic reads "yes", "on", "1", "t" as true: a client's guess is a 400, as a number's is. Any case: Python's
+    # urlencode (requests) writes True as "True".
+    if isinstance(value, str) and value.lower() not in ("true", "false"):
         raise ValueError("must be true or false")
     return value
 
