@@ -161,6 +161,8 @@ Text = Annotated[str, AfterValidator(refuse_nul)]
 Reference = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul)]
 """An id a platform names something by (its agent, a registered provider, a model route): it reaches logs and
 stored reasons, so it is bounded and holds no NUL."""
+
+
 def _refuse_controls(value: str) -> str:
     if any(unicodedata.category(char) in ("Cc", "Cf") for char in value):
         raise ValueError("must not hold control or format characters (an escape, a right-to-left override)")
@@ -172,8 +174,9 @@ GenerationId = Annotated[
 ]
 """A platform's id of a model turn, as a client sends it: one visible word (a path segment its extraction is looked
 up and its facts forgotten by, shown as it is stored)."""
-ConversationId = Annotated[str, StringConstraints(min_length=1, max_length=255), AfterValidator(refuse_nul),
-                           AfterValidator(refuse_blank)]
+ConversationId = Annotated[
+    str, StringConstraints(min_length=1, max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_blank)
+]
 """A platform's id of a conversation, as a client sends it: visible, or its facts could not be forgotten by it."""
 
 
