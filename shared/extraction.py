@@ -217,7 +217,7 @@ class Extractor:
         turn_time = min(event.occurred_at, arrived_at or utcnow())
         async with self._sessions() as session:
             done = await registry.get_extraction(session, event.project_id, event.generation_id)
-        if done is not None and done.status in ("completed", "skipped"):
+        if done is not None and done.status in registry.EXTRACTED:
             # A redelivery after the outcome was stored: asking the model again could word facts differently.
             return _replay_of(done)
         decision = gate(event)
@@ -254,7 +254,7 @@ class Extractor:
                 saved = await registry.save_extracted_facts(
                     session, event.project_id, event.generation_id, parse_candidates(completion.text), asked.model
                 )
-            if saved.status in ("completed", "skipped"):
+            if saved.status in registry.EXTRACTED:
                 return await self._replayed(event)
             facts, model = saved.facts, saved.model
         # The target of the model that answered (its merges use it too); the first when none is known.

@@ -136,7 +136,8 @@ async def usage_summary(session: AsyncSession, project_id: str) -> list[dict[str
     return [dict(row._mapping) for row in (await session.execute(query)).all()]
 
 
-_DONE = ("completed", "skipped")
+EXTRACTED = ("completed", "skipped")
+"""The statuses of a turn extracted for good: reported or delivered again, it is not extracted twice."""
 
 
 async def save_extraction(
@@ -148,7 +149,7 @@ async def save_extraction(
         "model": result.model,
         **result.summary.model_dump(),
     }
-    if result.status in _DONE:
+    if result.status in EXTRACTED:
         values["facts"] = null()  # written, or never to be: kept only while a retry might need them (SQL NULL)
     await session.execute(
         insert(GenerationExtraction)
@@ -179,7 +180,7 @@ async def save_extracted_facts(
         .on_conflict_do_update(
             index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
             set_={"facts": facts, "model": model, "updated_at": func.now()},
-            where=GenerationExtraction.facts.is_(None) & GenerationExtraction.status.not_in(_DONE),
+            where=GenerationExtraction.facts.is_(None) & GenerationExtraction.status.not_in(EXTRACTED),
         )
     )
     kept = (

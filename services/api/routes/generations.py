@@ -118,7 +118,7 @@ async def generation_completed(
         occurred_at=min([*times, utcnow()]),
         **body.model_dump(exclude={"project_id", "occurred_at"}),
     )
-    if reported.status in ("completed", "skipped"):  # extracted already: not twice, and not pending either
+    if reported.status in registry.EXTRACTED:  # extracted already: not twice, and not pending either
         return JSONResponse({"generation_id": event.generation_id, "status": reported.status}, status_code=200)
     retry_of = reported.retry_of
     # One turn is extracted once, however often the platform reports it; reported again after its extraction
