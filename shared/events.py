@@ -170,12 +170,20 @@ def _refuse_controls(value: str) -> str:
 
 
 GenerationId = Annotated[
-    str, StringConstraints(max_length=255, pattern=r"^\S+$"), AfterValidator(_refuse_controls), AfterValidator(refuse_blank)
+    str,
+    StringConstraints(max_length=255, pattern=r"^\S+$"),
+    AfterValidator(_refuse_controls),
+    AfterValidator(refuse_blank),
+    Field(description="1 to 255 characters, no whitespace, no control or invisible-only characters"),
 ]
 """A platform's id of a model turn, as a client sends it: one visible word (a path segment its extraction is looked
 up and its facts forgotten by, shown as it is stored)."""
 ConversationId = Annotated[
-    str, StringConstraints(min_length=1, max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_blank)
+    str,
+    StringConstraints(min_length=1, max_length=255),
+    AfterValidator(refuse_nul),
+    AfterValidator(refuse_blank),
+    Field(description="1 to 255 characters, not blank (whitespace or invisible characters only), no NUL"),
 ]
 """A platform's id of a conversation, as a client sends it: visible, or its facts could not be forgotten by it."""
 

@@ -40,7 +40,11 @@ class CompletedTurn(Strict):
     streamed: StrictBool = Field(
         default=False, description="a streamed turn is never extracted, whatever `extract` says (skipped: streamed)"
     )
-    status: str = Field(default="completed", max_length=64)
+    status: str = Field(
+        default="completed", max_length=64,
+        description="completed, requires_action, failed, … (any case); only completed is extracted (else skipped: "
+        "status_<status>)",
+    )
     messages: list[ChatMessage] = Field(default_factory=list, max_length=500)
     output: str | None = Field(default=None, max_length=100_000)
     occurred_at: UtcDatetime | None = Field(
