@@ -131,7 +131,9 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
             await nc.flush()
             with pytest.raises(bus.PartitionCountMismatch, match=r"writers still consume \(writer-p5\)"):
                 await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
-            await asyncio.sleep(1.5)  # the pull expired: no writer consumes
+            async with asyncio.timeout(15):  # until the pull expired: no writer consumes
+                while (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(5))).num_waiting:
+                    await asyncio.sleep(0.1)
             await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
             assert await bus.recorded_partitions(js) == 4
         finally:

@@ -269,14 +269,16 @@ async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
             assert queued == 1
 
             own.stop()
-            while app.state.nats.is_connected:
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(30):  # a reconnect that never comes fails, not hangs
+                while app.state.nats.is_connected:
+                    await asyncio.sleep(0.05)
             unsent = await api.post("/memory-entries", json={"memory_id": memory["id"], "content": "Never sent"})
             assert unsent.status_code == 503 and "was not sent" in unsent.json()["error"]["message"], unsent.text
             assert "meta" not in unsent.json()["error"]
             own.start()  # the API's client reconnects, so that it can close cleanly
-            while not app.state.nats.is_connected:
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(30):  # a reconnect that never comes fails, not hangs
+                while not app.state.nats.is_connected:
+                    await asyncio.sleep(0.05)
 
 
 async def test_an_edit_or_delete_does_not_wait_for_the_bus_to_come_back(
@@ -293,19 +295,20 @@ async def test_an_edit_or_delete_does_not_wait_for_the_bus_to_come_back(
     with EmbeddedNats(tmp_path / "nats") as own:
         async with open_api(settings.model_copy(update={"nats_url": own.url})) as (app, api):
             own.stop()
-            while app.state.nats.is_connected:
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(30):  # a reconnect that never comes fails, not hangs
+                while app.state.nats.is_connected:
+                    await asyncio.sleep(0.05)
             edited = await asyncio.wait_for(api.put(f"/memory-entries/{entry_ids[0]}", json={"tags": ["edited"]}), 3)
             deleted = await asyncio.wait_for(api.delete(f"/memory-entries/{entry_ids[1]}"), 3)
             assert (edited.status_code, deleted.status_code) == (200, 204)
             own.start()  # the API's client reconnects, and sends what it buffered meanwhile
-            while not app.state.nats.is_connected:
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(30):  # a reconnect that never comes fails, not hangs
+                while not app.state.nats.is_connected:
+                    await asyncio.sleep(0.05)
             # Announced all the same once the bus is back (skipped while it was away, a short reconnect lost them).
-            if app.state.announcing:
-                await asyncio.wait(app.state.announcing, timeout=10)
-            feed = await app.state.nats.jetstream().stream_info(bus.EVENTS_STREAM)
-            assert feed.state.messages == 2
+            async with asyncio.timeout(15):
+                while (await app.state.nats.jetstream().stream_info(bus.EVENTS_STREAM)).state.messages < 2:
+                    await asyncio.sleep(0.1)
 
 
 async def test_a_rest_write_refused_while_the_embedder_is_down_is_the_contracts_503(
