@@ -265,8 +265,9 @@ async def test_a_write_the_bus_did_not_take_is_a_503_naming_its_write_id(
             assert error["code"] == "SERVICE_UNAVAILABLE" and "may still be applied" in error["message"]
             assert error["meta"]["write_id"].startswith("wr_")
             # It reached the stream once the server went on: a writer would apply it.
-            queued = (await app.state.nats.jetstream().stream_info(bus.WRITES_STREAM)).state.messages
-            assert queued == 1
+            async with asyncio.timeout(10):  # once the server has read what was waiting on its socket
+                while (await app.state.nats.jetstream().stream_info(bus.WRITES_STREAM)).state.messages != 1:
+                    await asyncio.sleep(0.05)
 
             own.stop()
             async with asyncio.timeout(30):  # a reconnect that never comes fails, not hangs
