@@ -4,7 +4,7 @@ run held (`memories up`). The layout itself, and what the services do on the bus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from nats.js import JetStreamContext
@@ -42,9 +42,21 @@ class BusStatus:
     partitions: int | None  # what MEMORY_WRITES is laid out for; None before `memories bus init`
     queued_writes: int  # messages in MEMORY_WRITES
     consumers: list[ConsumerState]
-    stranded_writes: int = 0
-    """Queued on partitions beyond the count (a publisher left on the old count), with or without a consumer left:
-    for `memories bus reroute`."""
+    stranded: list[StrandedSubject] = field(default_factory=list)
+    """The subjects with writes queued on partitions beyond the count (a publisher left on the old count), with or
+    without a consumer left: for `memories bus reroute`."""
+
+    @property
+    def stranded_writes(self) -> int:
+        return sum(subject.writes for subject in self.stranded)
+
+
+@dataclass(frozen=True, slots=True)
+class StrandedSubject:
+    subject: str
+    partition: int
+    memory_id: str
+    writes: int
 
 
 async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
@@ -52,14 +64,14 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
     partitions = await recorded_partitions(js)
     plan = layout(settings)
     planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
-    states, queued, stranded = [], 0, 0
+    states, queued, stranded = [], 0, []
     for stream in plan.streams:
         name = stream.name or ""
         try:
             infos = await js.consumers_info(name)
             if name == WRITES_STREAM:
                 queued, subjects = await _queued_writes(js)
-                stranded = sum(count for _, _, count in _beyond(subjects, partitions))
+                stranded = _beyond(subjects, partitions)
         except NotFoundError:  # the layout is not applied yet
             continue
         for info in sorted(infos, key=lambda i: listing_order(i.name)):
@@ -79,13 +91,13 @@ async def _queued_writes(js: JetStreamContext) -> tuple[int, dict[str, int]]:
     return state.messages, state.subjects or {}
 
 
-def _beyond(subjects: dict[str, int], partitions: int | None) -> list[tuple[str, int, int]]:
-    """(subject, partition, writes) of the subjects on a partition at or beyond the count."""
+def _beyond(subjects: dict[str, int], partitions: int | None) -> list[StrandedSubject]:
+    """The subjects on a partition at or beyond the count."""
     found = []
     for subject, count in subjects.items():
-        partition, _, _memory = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
+        partition, _, memory_id = subject.removeprefix(f"{WRITE_SUBJECT_ROOT}.").partition(".")
         if partitions is not None and partition.isdigit() and int(partition) >= partitions:
-            found.append((subject, int(partition), count))
+            found.append(StrandedSubject(subject, int(partition), memory_id, count))
     return found
 
 
@@ -136,23 +148,21 @@ async def reroute_stranded_writes(js: JetStreamContext, settings: Settings) -> t
     consumed = {
         state.consumer for state in status.consumers if state.role == "stale" and (state.in_flight or state.pulling)
     }
-    _, subjects = await _queued_writes(js)
     moved = 0
-    for subject, partition, _count in _beyond(subjects, partitions):
-        if writer_durable(partition) in consumed:
+    for queued in status.stranded:
+        if writer_durable(queued.partition) in consumed:
             continue
-        memory_id = subject.rsplit(".", 1)[1]
         sequence = 1
         while True:
             try:
-                stranded = await js.get_msg(WRITES_STREAM, seq=sequence, subject=subject, next=True)
+                stranded = await js.get_msg(WRITES_STREAM, seq=sequence, subject=queued.subject, next=True)
             except NotFoundError:
                 break
             assert stranded.seq is not None
             # Its own message id: moved twice (a crash before the delete, then a second run), the second is a
             # duplicate the stream drops within its window; past the window the writer's record of the write is.
             await js.publish(
-                write_subject(memory_id, partitions),
+                write_subject(queued.memory_id, partitions),
                 stranded.data or b"",
                 stream=WRITES_STREAM,
                 headers={"Nats-Msg-Id": f"{REROUTED_MSG_ID_PREFIX}.{stranded.seq}"},
