@@ -337,7 +337,7 @@ async def _configured_alike(settings: Settings) -> int:
     from shared import bus
     from shared.db.session import check_embedding_dimensions, create_engine
 
-    nc = await bus.connect(settings.nats_url or "", name="memories-api-check")
+    nc = await bus.connect(settings.nats_url or "", name="memories-api-check", settings=settings)
     try:
         await bus.check_partitions(nc.jetstream(), settings)
     finally:

@@ -54,7 +54,7 @@ def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]
     """Run `work` on the bus at `nats_url`; exits 1, in one line, when it cannot be reached."""
 
     async def run() -> T:
-        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True)
+        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True, settings=get_settings())
         try:
             return await work(nc.jetstream())
         finally:

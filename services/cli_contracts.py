@@ -1,4 +1,5 @@
-"""Contracts: `memories asyncapi` and `memories openapi` write the documents kept in docs/."""
+"""Contracts: `memories asyncapi` and `memories openapi` write the documents kept in docs/, `memories nats-auth` the
+bus's users and permissions kept in deploy/nats/."""
 
 from __future__ import annotations
 
@@ -53,6 +54,20 @@ def _command(name: str, build: Any) -> Any:
     return run
 
 
+def nats_auth(args: argparse.Namespace) -> int:
+    from shared.bus_permissions import rendered
+
+    stale = [path for path, text in rendered().items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path} is out of date: run `memories nats-auth`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in rendered().items():
+        path.write_text(text)
+        print(f"wrote {path}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for name, build, what in (
         ("asyncapi", asyncapi, "the AsyncAPI document of every bus subject, from shared/events.py"),
@@ -62,3 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         parser.add_argument("--output", help="another path, or - for stdout")
         parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the code")
         parser.set_defaults(func=_command(name, build))
+    parser = subparsers.add_parser(
+        "nats-auth", help="write the bus's users and permissions (shared/bus_permissions.py) to deploy/nats/"
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
+    parser.set_defaults(func=nats_auth)

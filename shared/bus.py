@@ -391,43 +391,112 @@ async def report_connection_error(error: Exception) -> None:
     """What nats-py reports while it reconnects (a timeout, a refused connection): one line each; its default logs
     every one at ERROR with a traceback, for an outage the service waits out. Anything else it reports (an error
     raised in a subscription's callback, a slow consumer dropping messages) is a fault: at ERROR, with its trace."""
-    if isinstance(error, _CONNECTION_ERRORS):
+    if isinstance(error, _CONNECTION_ERRORS) or refused_login(error):
         log.warning("NATS connection: %s", str(error) or type(error).__name__)
     else:
         log.error("NATS client error: %s", str(error) or type(error).__name__, exc_info=error)
 
 
-async def connect(url: str, *, name: str, one_shot: bool = False) -> NatsClient:
-    """A service retries the bus for as long as it is down; a one-shot command (`memories bus init`, `dlq`)
-    tries each server a few times, then raises BusUnreachable instead of hanging."""
-    if not one_shot:
-        return await nats.connect(
-            servers=url.split(","),
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-            # A server that hangs (not one that closes) is left once a third ping is due with two unanswered:
-            # ~45 s, not nats-py's default ~8 minutes (with 3 outstanding it took ~60 s, measured).
-            ping_interval=15,
-            max_outstanding_pings=2,
-            error_cb=report_connection_error,
-        )
+def connection_options(*, name: str) -> dict[str, Any]:
+    """How a service connects, for nats-py and for FastStream's broker alike: it retries the bus for as long as it is
+    down (FastStream's own default gives up after ~2 minutes, and its consumers with it)."""
+    return {
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 5,
+        # A server that hangs (not one that closes) is left once a third ping is due with two unanswered:
+        # ~45 s, not nats-py's default ~8 minutes (with 3 outstanding it took ~60 s, measured).
+        "ping_interval": 15,
+        "max_outstanding_pings": 2,
+        "error_cb": report_connection_error,
+    }
 
-    async def quiet(_error: Exception) -> None:  # each failed attempt; the caller reports the last
-        return None
+
+def login(settings: Settings | None) -> dict[str, str]:
+    """The user and password nats-py sends, when one is configured (deploy/nats/auth.conf names the users)."""
+    if settings is None or not settings.nats_user:
+        return {}
+    password = settings.nats_password.get_secret_value() if settings.nats_password else ""
+    return {"user": settings.nats_user, "password": password}
+
+
+async def connect(url: str, *, name: str, one_shot: bool = False, settings: Settings | None = None) -> NatsClient:
+    """A service retries the bus for as long as it is down; a one-shot command (`memories bus init`, `dlq`)
+    tries each server a few times, then raises BusUnreachable instead of hanging. It logs in as the NATS user of
+    `settings`, if any; `url` is apart from them, as a command may reach the local run's NATS, which they do not name."""
+    servers = url.split(",")
+    if not one_shot:
+        return await _connect_service(servers, name, settings)
+
+    errors: list[Exception] = []
+
+    async def quiet(error: Exception) -> None:  # each failed attempt; the caller reports the last
+        errors.append(error)
 
     try:
         return await nats.connect(
-            servers=url.split(","),
+            servers=servers,
             name=name,
             max_reconnect_attempts=3,
             reconnect_time_wait=0.5,
             connect_timeout=2,
             error_cb=quiet,
+            **login(settings),
         )
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
+        if errors and refused_login(errors[-1]):
+            raise BusUnreachable(_login_refused(servers, settings)) from exc
         raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
+
+
+class LoginRefused(ConfiguredUnlike):
+    """NATS refused this process's user and password as it started."""
+
+
+def refused_login(error: Exception) -> bool:
+    # nats-py raises a plain Error with the server's message on a first connect, AuthorizationError on a reconnect.
+    return isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in str(error).lower()
+
+
+async def _connect_service(servers: list[str], name: str, settings: Settings | None) -> NatsClient:
+    """Waits for a bus that is down, but not on a login it refuses: a wrong NATS_USER or NATS_PASSWORD stops the
+    service at start, in one line. Once connected, a refusal on a reconnect (a password being rotated) is waited out
+    like an outage."""
+    nc = NatsClient()
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+    connected = asyncio.Event()
+
+    async def on_error(error: Exception) -> None:
+        if refused_login(error) and not connected.is_set():
+            if not refused.done():
+                refused.set_result(error)
+            return
+        await report_connection_error(error)
+
+    connecting = asyncio.ensure_future(
+        nc.connect(servers=servers, **{**connection_options(name=name), "error_cb": on_error}, **login(settings))
+    )
+    await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise LoginRefused(_login_refused(servers, settings))
+    connecting.result()
+    connected.set()
+    return nc
+
+
+def _login_refused(servers: list[str], settings: Settings | None) -> str:
+    user = (settings.nats_user if settings else None) or "no user"
+    return (
+        f"NATS at {redacted_servers(','.join(servers))} refused the login ({user}): set NATS_USER and NATS_PASSWORD "
+        "to a user of its configuration (deploy/nats/auth.conf)"
+    )
 
 
 def redacted_servers(url: str) -> str:

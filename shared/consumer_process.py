@@ -10,6 +10,7 @@ import logging
 
 from faststream.middlewares import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.security import NatsUserPassword
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -28,7 +29,14 @@ class ConsumerProcess:
         assert settings.database_url and settings.nats_url, "resolve the servers before starting a service"
         self.settings = settings
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
-        self.broker = NatsBroker(settings.nats_url.split(","), graceful_timeout=graceful_timeout, logger=None)
+        login = bus.login(settings)
+        self.broker = NatsBroker(
+            settings.nats_url.split(","),
+            graceful_timeout=graceful_timeout,
+            logger=None,
+            security=NatsUserPassword(login["user"], login["password"]) if login else None,
+            **bus.connection_options(name=f"memories-{self.name}-consumers"),
+        )
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
         self.nc: NatsClient | None = None
@@ -70,7 +78,7 @@ class ConsumerProcess:
             from shared.scripted_llm import install_scripts  # tests and benchmarks only
 
             install_scripts(self.settings.memories_scripted_llm)
-        self.nc = await bus.connect(self.settings.nats_url or "", name=f"memories-{self.name}")
+        self.nc = await bus.connect(self.settings.nats_url or "", name=f"memories-{self.name}", settings=self.settings)
         await bus.ensure_layout(self.nc.jetstream(), self.settings)
         await self.prepare(self.nc)
         freeze_long_lived_objects()

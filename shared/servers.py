@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import pwd
 import shutil
@@ -334,9 +335,11 @@ class EmbeddedNats(_ChildServer):
     kind, log_name = "nats-server", "nats-server.log"
 
     def __init__(self, data_dir: Path, port: int | None = None, name: str | None = None,
-                 http_port: int | None = None, extra_args: Sequence[str] = ()) -> None:
+                 http_port: int | None = None, extra_args: Sequence[str] = (),
+                 login: tuple[str, str] | None = None) -> None:
         super().__init__(data_dir, port, extra_args)
         self.name, self.http_port = name, http_port
+        self.login = login  # the user and password the readiness probe logs in with, on a server that asks for one
         self.pid_file = self.data_dir / "nats-server.pid"
 
     @property
@@ -364,7 +367,10 @@ class EmbeddedNats(_ChildServer):
                     sock.makefile("rb") as reader:
                 if not reader.readline().startswith(b"INFO "):
                     return False
-                sock.sendall(b'CONNECT {"verbose":false,"headers":true,"no_responders":true}\r\n'
+                connect: dict[str, object] = {"verbose": False, "headers": True, "no_responders": True}
+                if self.login:
+                    connect.update(user=self.login[0], **{"pass": self.login[1]})
+                sock.sendall(b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
                              b"SUB _probe 1\r\nPUB $JS.API.INFO _probe 0\r\n\r\n")
                 while line := reader.readline():
                     if line.startswith(b"PING"):

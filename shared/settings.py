@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WRITE_TIMEOUT_MAX_S = 20.0
@@ -25,6 +25,12 @@ class Settings(BaseSettings):
     # Servers. Unset means "start the embedded ones" (local run, tests).
     database_url: str | None = Field(default=None, description="postgresql+psycopg://… of a PostgreSQL with pgvector")
     nats_url: str | None = Field(default=None, description="nats://host:port[,nats://…] of a JetStream-enabled NATS")
+    nats_user: str | None = Field(
+        default=None,
+        description="this process's NATS user (memories-api, memories-writer, memories-extractor, memories-admin: "
+        "deploy/nats/auth.conf); unset: no authentication",
+    )
+    nats_password: SecretStr | None = Field(default=None, description="that user's password")
     memories_data_dir: Path = Field(default=Path(".memories"), description="where the embedded servers keep data")
 
     # API process.

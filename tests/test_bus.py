@@ -7,6 +7,7 @@ import json
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import nats.errors
 import psycopg.errors
@@ -282,3 +283,13 @@ async def test_a_publish_jetstream_answers_with_an_error_is_known_not_stored(tmp
             assert not unheard.value.sent
         finally:
             await nc.close()
+
+
+async def test_a_services_consumers_wait_out_an_outage_as_long_as_its_own_connection(writers: list[Any]) -> None:
+    """FastStream's broker has a connection of its own; by its defaults it gave up after 60 reconnects (~2 min), and
+    the consumers on it stopped for good while the service went on looking alive."""
+    for writer in writers:
+        consumers, own = writer.broker._connection.options, writer.nc.options
+        assert consumers["max_reconnect_attempts"] == own["max_reconnect_attempts"] == -1
+        for option in ("reconnect_time_wait", "ping_interval", "max_outstanding_pings"):
+            assert consumers[option] == own[option], option

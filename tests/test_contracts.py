@@ -1,5 +1,6 @@
 """The published contracts match the code: docs/asyncapi.json from shared/events.py, docs/openapi.json
-from the routes. Regenerate with `memories asyncapi` and `memories openapi`."""
+from the routes, the bus's users in deploy/nats/ from shared/bus_permissions.py. Regenerate with
+`memories asyncapi`, `memories openapi` and `memories nats-auth`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from datetime import UTC, datetime
 
 from services.cli_contracts import DOCS, asyncapi, openapi, render
-from shared import events
+from shared import bus_permissions, events
 
 
 def test_asyncapi_document_is_current() -> None:
@@ -16,6 +17,11 @@ def test_asyncapi_document_is_current() -> None:
 
 def test_openapi_document_is_current() -> None:
     assert (DOCS / "openapi.json").read_text() == render(openapi())
+
+
+def test_the_bus_users_in_deploy_are_current() -> None:
+    for path, text in bus_permissions.rendered().items():
+        assert path.read_text() == text, f"{path} is out of date: run `memories nats-auth`"
 
 
 def test_every_event_model_is_in_the_asyncapi_document() -> None:

@@ -23,7 +23,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from services.cli import _parse_partitions, build_parser, main
 from services.writer.partitions import PinnedPull
-from shared import bus, metrics
+from shared import bus, bus_permissions, metrics
 from shared.servers import nats_server_binary, start_nats_cluster
 from shared.settings import Settings, get_settings
 
@@ -109,14 +109,17 @@ def test_json_parses(path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted((DEPLOY / "nats").glob("nats-*.conf")), ids=lambda p: p.name)
 def test_nats_node_config_is_valid_for_nats_server(path: Path) -> None:
-    result = subprocess.run(
-        [str(nats_server_binary()), "-t", "-c", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    def check(environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(nats_server_binary()), "-t", "-c", str(path)], check=False, capture_output=True,
+                              text=True, timeout=30, env=environment)
+
+    passwords = {user.password_variable: "a-password" for user in bus_permissions.USERS}
+    result = check({**os.environ, **passwords})
     assert result.returncode == 0, result.stderr or result.stdout
+    # A password not given is a server that does not start, not a user let in without one.
+    del passwords[bus_permissions.USERS[0].password_variable]
+    refused = check({**os.environ, **passwords})
+    assert refused.returncode != 0 and bus_permissions.USERS[0].password_variable in refused.stderr + refused.stdout
 
 
 def test_dockerfile_builds_one_image_for_every_command() -> None:
@@ -152,6 +155,43 @@ def test_compose_long_running_services_wait_for_migrations_and_the_bus_layout() 
             "migrate": "service_completed_successfully",
             "bus-init": "service_completed_successfully",
         }
+
+
+BUS_ROLE_OF_COMMAND = {"api": "api", "writer": "writer", "extractor": "extractor", "bus": "admin"}
+BUS_USERS = {user.role: user for user in bus_permissions.USERS}
+
+
+def test_compose_services_log_in_to_the_bus_as_their_own_users() -> None:
+    assert set(compose()["x-nats"]["environment"]) == {user.password_variable for user in bus_permissions.USERS}
+    for name, service in compose_memories_services().items():
+        environment = service["environment"]
+        if service["command"][0] == "migrate":
+            assert "NATS_USER" not in environment, name
+            continue
+        user = BUS_USERS[BUS_ROLE_OF_COMMAND[service["command"][0]]]
+        assert environment["NATS_USER"] == user.user, name
+        assert environment["NATS_PASSWORD"] == f"${{{user.password_variable}}}", name
+
+
+def test_k8s_containers_log_in_to_the_bus_as_their_own_users() -> None:
+    for where, container in memories_containers():
+        environment = {var["name"]: var for var in container.get("env", [])}
+        if container["args"][0] == "migrate":
+            assert "NATS_USER" not in environment, where
+            continue
+        role = BUS_ROLE_OF_COMMAND[container["args"][0]]
+        assert environment["NATS_USER"]["value"] == BUS_USERS[role].user, where
+        assert environment["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": bus_permissions.HELM_SECRET, "key": role}, where
+    [example] = [doc for doc in of_kind("Secret", include_examples=True)
+                 if doc["metadata"]["name"] == bus_permissions.HELM_SECRET]
+    assert set(example["stringData"]) == set(BUS_USERS)
+    # The NATS release reads every user's password from the same keys.
+    server_environment = load_yaml(bus_permissions.HELM_VALUES)["container"]["env"]
+    assert {name: env["valueFrom"]["secretKeyRef"] for name, env in server_environment.items()} == {
+        user.password_variable: {"name": bus_permissions.HELM_SECRET, "key": user.role}
+        for user in bus_permissions.USERS
+    }
 
 
 def test_compose_writers_cover_every_partition_once() -> None:

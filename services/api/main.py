@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
         # write, and is then told to retry: a 503, not a connection held for minutes.
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
         app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)  # /readyz's own
-        nc = await bus.connect(settings.nats_url, name="memories-api")
+        nc = await bus.connect(settings.nats_url, name="memories-api", settings=settings)
         await bus.ensure_layout(nc.jetstream(), settings)
         sessions = session_factory(engine)
         gateway = WriteGateway(nc, sessions, settings.memories_partitions)
