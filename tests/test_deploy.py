@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import promql_parser
 import pytest
 import yaml  # type: ignore[import-untyped]
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
@@ -245,14 +246,67 @@ def declared_metric_families() -> set[str]:
     return {family.name for family in metrics.REGISTRY.collect() if family.name.startswith("memories_")}
 
 
+_SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+
+
+def exposed_series() -> dict[str, str]:
+    """Each series name a service's /metrics can show (a counter's with _total, a histogram's _bucket…) → its
+    family; and `up`, which Prometheus adds to every target."""
+    return {
+        "up": "up",
+        **{
+            family.name + suffix: family.name
+            for family in metrics.REGISTRY.collect()
+            for suffix in _SERIES_SUFFIXES.get(family.type, ("",))
+        },
+    }
+
+
+def selected_series(expression: str) -> set[str]:
+    """The metric names a PromQL expression selects, read by a PromQL parser (which fails on a syntax error)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            found.add(node.name)
+        for child in ("lhs", "rhs", "expr", "param", "vector_selector"):
+            if getattr(node, child, None) is not None:
+                walk(getattr(node, child))
+        for argument in getattr(node, "args", None) or []:
+            walk(argument)
+
+    walk(promql_parser.parse(expression.replace("$__rate_interval", "5m")))
+    return found
+
+
 def test_dashboard_queries_only_declared_metrics_and_shows_all_of_them() -> None:
-    declared = declared_metric_families()  # counters without their _total suffix
-    used = set()
-    for expr in dashboard_expressions():
-        for name in re.findall(r"\bmemories_[a-z_]+", expr):
-            used.add(re.sub(r"(_total|_bucket|_count|_sum)$", "", name))
-    assert used - declared == set(), "the dashboard queries metrics shared/metrics.py does not declare"
-    assert declared - used == set(), "declared metrics missing from the dashboard"
+    exposed = exposed_series()
+    used = set().union(*(selected_series(expr) for expr in dashboard_expressions()))
+    assert used - set(exposed) == set(), "the dashboard queries series shared/metrics.py does not expose"
+    assert declared_metric_families() - {exposed[name] for name in used} == set(), "metrics missing from the dashboard"
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in load_yaml(DEPLOY / "prometheus-alerts.yml")["groups"] for rule in group["rules"]]
+
+
+def test_alert_rules_parse_and_watch_only_series_the_services_expose() -> None:
+    rules = alert_rules()
+    assert len({rule["alert"] for rule in rules}) == len(rules) >= 10
+    exposed = set(exposed_series())
+    for rule in rules:
+        selected = selected_series(rule["expr"])
+        assert selected and selected <= exposed, (rule["alert"], selected - exposed)
+        assert rule["labels"]["severity"] in ("page", "ticket") and rule["annotations"]["summary"], rule["alert"]
+    # The ones docs/operations.md names as worth alerting on are there.
+    watched = set().union(*(selected_series(rule["expr"]) for rule in rules))
+    assert {"memories_consumer_pending", "memories_consumer_redeliveries", "memories_dead_letters_total",
+            "memories_stream_messages", "memories_embedding_errors_total"} <= watched
+
+
+def test_compose_prometheus_loads_the_alert_rules() -> None:
+    [rule_file] = load_yaml(DEPLOY / "prometheus.yml")["rule_files"]
+    assert f"./prometheus-alerts.yml:{rule_file}:ro" in compose()["services"]["prometheus"]["volumes"]
 
 
 def test_grafana_provisioning_matches_the_dashboard_and_compose() -> None:
