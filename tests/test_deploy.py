@@ -425,6 +425,26 @@ def test_a_deployment_an_autoscaler_scales_leaves_its_count_to_it() -> None:
                           if doc["metadata"]["name"] in scaled)
 
 
+def test_the_keda_overlay_scales_the_extractors_on_their_backlog_in_place_of_the_cpu_autoscaler() -> None:
+    overlay = load_yaml(K8S / "keda" / "kustomization.yaml")
+    assert overlay["resources"] == ["..", "extractor-scaler.yaml"]
+    [hpa] = of_kind("HorizontalPodAutoscaler")
+    [patch] = overlay["patches"]
+    deleted = yaml.safe_load(patch["patch"])
+    assert deleted["$patch"] == "delete"
+    assert (deleted["apiVersion"], deleted["kind"], deleted["metadata"]["name"]) == (
+        hpa["apiVersion"], hpa["kind"], hpa["metadata"]["name"])
+    scaler = load_yaml(K8S / "keda" / "extractor-scaler.yaml")["spec"]
+    assert scaler["scaleTargetRef"]["name"] == hpa["spec"]["scaleTargetRef"]["name"]
+    assert (scaler["minReplicaCount"], scaler["maxReplicaCount"]) == (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+    [trigger] = scaler["triggers"]
+    assert trigger["type"] == "nats-jetstream"
+    assert (trigger["metadata"]["stream"], trigger["metadata"]["consumer"]) == (bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE)
+    # The monitoring port of the same NATS release the services connect to, through its headless Service.
+    release, namespace = re.fullmatch(r"nats://([^.]+)\.([^.]+)\.svc\.cluster\.local:4222", config_data()["NATS_URL"]).groups()
+    assert trigger["metadata"]["natsServerMonitoringEndpoint"] == f"{release}-headless.{namespace}.svc.cluster.local:8222"
+
+
 def test_the_api_and_each_writer_range_spread_their_replicas_over_nodes() -> None:
     # Both replicas of a writer range on one node: a lost node left the range unconsumed until its pods moved.
     for doc in of_kind("Deployment"):
