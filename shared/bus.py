@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import zlib
@@ -254,14 +255,33 @@ async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partit
     plan = layout(settings)
     for stream in plan.streams:
         try:
-            await js.stream_info(stream.name or "")
+            existing = await js.stream_info(stream.name or "")
         except NotFoundError:
             await js.add_stream(stream)
             continue
-        await js.update_stream(stream)
+        if not _laid_out_as(existing.config, stream):
+            # A deployed service's user may not update a stream (shared.bus_permissions): `memories bus init`, run
+            # by the admin before a new version's services start, makes this a no-op for them.
+            await js.update_stream(stream)
     for stream_name, consumers in plan.consumers.items():
         for consumer in consumers:
             await _ensure_consumer(js, stream_name, consumer)
+
+
+def _laid_out_as(existing: StreamConfig, wanted: StreamConfig) -> bool:
+    """Whether a stream has every setting the layout gives it. The server fills in the others (a duplicate window
+    left at 0, metadata of its own): only what the layout sets apart from nats-py's defaults is compared."""
+    current = existing.as_dict()
+    chosen = {f.name for f in dataclasses.fields(wanted) if getattr(wanted, f.name) != f.default}
+    for key, value in wanted.as_dict().items():
+        if key not in chosen:
+            continue
+        if key == "metadata":
+            if not value.items() <= (current.get(key) or {}).items():
+                return False
+        elif current.get(key) != value:
+            return False
+    return True
 
 
 async def check_partitions(js: JetStreamContext, settings: Settings) -> None:
@@ -397,10 +417,11 @@ async def report_connection_error(error: Exception) -> None:
         log.error("NATS client error: %s", str(error) or type(error).__name__, exc_info=error)
 
 
-def connection_options(*, name: str) -> dict[str, Any]:
+def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any]:
     """How a service connects, for nats-py and for FastStream's broker alike: it retries the bus for as long as it is
-    down (FastStream's own default gives up after ~2 minutes, and its consumers with it)."""
-    return {
+    down (FastStream's own default gives up after ~2 minutes, and its consumers with it), and logs in as the NATS
+    user of `settings`, if any, with replies on inboxes of its own (`inbox_prefix`)."""
+    options: dict[str, Any] = {
         "name": name,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
@@ -411,6 +432,15 @@ def connection_options(*, name: str) -> dict[str, Any]:
         "max_outstanding_pings": 2,
         "error_cb": report_connection_error,
     }
+    if settings is not None and settings.nats_user:
+        options["inbox_prefix"] = inbox_prefix(settings.nats_user)
+    return options
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies come (JetStream's answers, the messages it pulls, a write's outcome): a subject tree
+    only that user may subscribe to (shared.bus_permissions)."""
+    return f"_INBOX.{user}"
 
 
 def login(settings: Settings | None) -> dict[str, str]:
@@ -431,21 +461,19 @@ async def connect(url: str, *, name: str, one_shot: bool = False, settings: Sett
 
     errors: list[Exception] = []
 
-    async def quiet(error: Exception) -> None:  # each failed attempt; the caller reports the last
+    async def quiet(error: Exception) -> None:
+        # A failed attempt to connect is reported by the caller, once; a refusal once connected is said at once,
+        # or the command would only time out ("nats: timeout").
+        if "permissions violation" in str(error).lower():
+            user = (settings.nats_user if settings else None) or "no user"
+            log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", user, error)
         errors.append(error)
 
+    options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
     try:
-        return await nats.connect(
-            servers=servers,
-            name=name,
-            max_reconnect_attempts=3,
-            reconnect_time_wait=0.5,
-            connect_timeout=2,
-            error_cb=quiet,
-            **login(settings),
-        )
+        return await nats.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings))
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
-        if errors and refused_login(errors[-1]):
+        if any(refused_login(error) for error in errors):
             raise BusUnreachable(_login_refused(servers, settings)) from exc
         raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
 
@@ -455,40 +483,47 @@ class LoginRefused(ConfiguredUnlike):
 
 
 def refused_login(error: Exception) -> bool:
-    # nats-py raises a plain Error with the server's message on a first connect, AuthorizationError on a reconnect.
+    # nats-py raises a plain Error with the server's message as it connects, AuthorizationError for one a live
+    # connection is sent.
     return isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in str(error).lower()
 
 
 async def _connect_service(servers: list[str], name: str, settings: Settings | None) -> NatsClient:
-    """Waits for a bus that is down, but not on a login it refuses: a wrong NATS_USER or NATS_PASSWORD stops the
-    service at start, in one line. Once connected, a refusal on a reconnect (a password being rotated) is waited out
-    like an outage."""
+    """Waits for a bus that is down, but not for long on a login it refuses: once every server was tried twice and
+    each attempt refused, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. One node of a
+    cluster that refuses while the others accept (a password rotated node by node) is not the end; once connected,
+    a refusal on a reconnect is waited out like an outage."""
     nc = NatsClient()
-    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
-
-    connected = asyncio.Event()
+    refusals_to_stop = 2 * len(servers)
+    refusals = 0
+    refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    connected = False
 
     async def on_error(error: Exception) -> None:
-        if refused_login(error) and not connected.is_set():
-            if not refused.done():
-                refused.set_result(error)
-            return
+        nonlocal refusals
+        if not connected and refused_login(error):
+            refusals += 1
+            if refusals >= refusals_to_stop and not refused.done():
+                refused.set_result(None)
         await report_connection_error(error)
 
     connecting = asyncio.ensure_future(
-        nc.connect(servers=servers, **{**connection_options(name=name), "error_cb": on_error}, **login(settings))
+        nc.connect(servers=servers, **{**connection_options(settings, name=name), "error_cb": on_error}, **login(settings))
     )
-    await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(BaseException):
-            await connecting
-        with contextlib.suppress(Exception):
-            await nc.close()
-        raise LoginRefused(_login_refused(servers, settings))
-    connecting.result()
-    connected.set()
-    return nc
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            raise LoginRefused(_login_refused(servers, settings))
+        connecting.result()
+        connected = True
+        return nc
+    finally:
+        if not connected:  # refused, failed, or the caller cancelled: no connection left trying in the background
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
 
 
 def _login_refused(servers: list[str], settings: Settings | None) -> str:

@@ -1,8 +1,16 @@
 """Who may do what on a deployed bus: one NATS user per service, allowed the subjects its code uses and no others.
 
-A service may apply the JetStream layout (every service does at start) and consume its own consumers, but none may
-delete or purge a stream or a stored message: that is the admin user's (`memories bus …`, `memories dlq …`). So a
-leaked extractor password can at worst publish writes and turns, not erase the queues. The subjects come from
+- Each user's replies come on inboxes of its own (`bus.inbox_prefix`), which no other user may read: the messages a
+  consumer pulls, JetStream's answers, a write's outcome.
+- A service may read and create the streams (every service applies the layout as it starts) but not change them,
+  and acknowledge only what its own consumers deliver. Deleting, purging or updating a stream, deleting a stored
+  message: that is the admin user's (`memories bus …`, `memories dlq …`, the init Job), which applies a changed
+  layout before the services of a new version start.
+
+A leaked service password can still do what that service does: publish what it publishes, acknowledge what it
+consumes (a writer's: the queued writes, which removes them), and create, recreate or delete consumers (the
+layout's: consumption stalls until a service restarts and lays them out again). It cannot delete, purge or shrink
+a stream, delete a stored message, or read another user's replies. The subjects come from
 `shared.bus`, so a renamed subject changes the permissions with it: `memories nats-auth` renders them for the
 nats-server configuration of deploy/ (compose and the Helm chart), and a test runs every service under them.
 """
@@ -23,19 +31,18 @@ HELM_SECRET = "memories-nats-users"
 """The Secret in the NATS release's namespace holding each user's password under the user's role (api, writer…)."""
 
 _STREAMS = (bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM, bus.DEAD_LETTER_STREAM)
-_ANY_SERVICE = [
-    # Replies to the client's own requests (JetStream API answers, publish acknowledgements, the write outcomes a
-    # writer sends an API process, the answers to a revocation broadcast).
-    "_INBOX.>",
-    # Acknowledging, handing back and extending the messages its consumers deliver.
-    "$JS.ACK.>",
-    # Applying the layout at start: streams are read, created or updated, never deleted or purged.
-    "$JS.API.INFO",
-    *(f"$JS.API.STREAM.{verb}.{stream}" for stream in _STREAMS for verb in ("INFO", "CREATE", "UPDATE")),
+_APPLIES_THE_LAYOUT = [
+    # Streams read and created, not updated: a service checks that they are as its version lays them out.
+    *(f"$JS.API.STREAM.{verb}.{stream}" for stream in _STREAMS for verb in ("INFO", "CREATE")),
     # Consumers are created, recreated when a setting cannot change in place, read (lag metrics), pulled from,
     # and a writer partition's pin given up.
     "$JS.API.CONSUMER.>",
 ]
+
+
+def _acks(stream: str, *consumers: str) -> list[str]:
+    """Acknowledging, handing back and extending what these consumers deliver (`$JS.ACK.<stream>.<consumer>…`)."""
+    return [f"$JS.ACK.{stream}.{consumer}.>" for consumer in consumers]
 
 
 @dataclass(frozen=True)
@@ -50,44 +57,63 @@ class BusUser:
         return f"memories-{self.role}"
 
     @property
+    def inboxes(self) -> str:
+        return f"{bus.inbox_prefix(self.user)}.>"
+
+    @property
     def password_variable(self) -> str:
-        """The environment variable of the NATS server that holds this user's password (or its bcrypt hash)."""
+        """The environment variable of the NATS server that holds this user's password."""
         return f"MEMORIES_NATS_{self.role.upper()}_PASSWORD"
 
     def permissions(self) -> dict[str, Any] | None:
         if self.publishes is None:
             return None
-        return {"publish": {"allow": self.publishes}, "subscribe": {"allow": ["_INBOX.>", *self.subscribes]}}
+        return {"publish": {"allow": self.publishes}, "subscribe": {"allow": [self.inboxes, *self.subscribes]}}
 
 
 _TURNS = [f"{bus.GENERATION_COMPLETED_ROOT}.*", f"{bus.GENERATION_DELETED_ROOT}.*", f"{bus.CONVERSATION_DELETED_ROOT}.*"]
+API, WRITER, EXTRACTOR = (bus.inbox_prefix(f"memories-{role}") for role in ("api", "writer", "extractor"))
 
 USERS = (
     BusUser(
         "api",
         publishes=[
-            *_ANY_SERVICE,
+            *_APPLIES_THE_LAYOUT,
             f"{bus.WRITE_SUBJECT_ROOT}.>",
-            *_TURNS,
+            f"{bus.GENERATION_COMPLETED_ROOT}.*",
             f"{bus.EVENT_SUBJECT_ROOT}.>",
             bus.API_KEY_REVOKED_SUBJECT,
+            f"{API}.>",  # answering another API process's revocation broadcast
         ],
         subscribes=[bus.API_KEY_REVOKED_SUBJECT],
     ),
-    BusUser("writer", publishes=[*_ANY_SERVICE, f"{bus.EVENT_SUBJECT_ROOT}.>", f"{bus.DEAD_LETTER_ROOT}.writer"]),
+    BusUser(
+        "writer",
+        publishes=[
+            *_APPLIES_THE_LAYOUT,
+            *_acks(bus.WRITES_STREAM, "*"),  # its partitions' consumers, writer-p<N>
+            *_acks(bus.GENERATIONS_STREAM, bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS),
+            f"{bus.EVENT_SUBJECT_ROOT}.>",
+            f"{bus.DEAD_LETTER_ROOT}.writer",
+            f"{API}.>",  # a write's outcome, to the process that published it
+            f"{EXTRACTOR}.>",
+        ],
+    ),
     BusUser(
         "extractor",
         publishes=[
-            *_ANY_SERVICE,
+            *_APPLIES_THE_LAYOUT,
+            *_acks(bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE),
             f"{bus.WRITE_SUBJECT_ROOT}.>",
             f"{bus.EXTRACTION_COMPLETED_ROOT}.*",
             f"{bus.DEAD_LETTER_ROOT}.extractor",
         ],
     ),
-    # An agent platform that reports its turns on the bus rather than through the API (docs/api.md); it reads
-    # nothing, and only publishes (each publish is acknowledged on its inbox). Give a platform that serves one
-    # project a user of its own, its subjects ending in that project's id.
-    BusUser("platform", publishes=_TURNS),
+    # An agent platform that reports its turns on the bus rather than through the API (docs/api.md), and may follow
+    # their extractions (`generations.extraction.<project>`, live). Its client must take its replies (each publish's
+    # acknowledgement) on its own inboxes: inbox prefix `_INBOX.memories-platform`. It may report turns of any
+    # project: give a platform that serves one project a user of its own, its subjects ending in that project's id.
+    BusUser("platform", publishes=_TURNS, subscribes=[f"{bus.EXTRACTION_COMPLETED_ROOT}.*"]),
     # `memories bus init|status|reroute|prune|release`, `memories dlq …`, the init Job.
     BusUser("admin", publishes=None),
 )

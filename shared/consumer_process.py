@@ -35,7 +35,7 @@ class ConsumerProcess:
             graceful_timeout=graceful_timeout,
             logger=None,
             security=NatsUserPassword(login["user"], login["password"]) if login else None,
-            **bus.connection_options(name=f"memories-{self.name}-consumers"),
+            **bus.connection_options(settings, name=f"memories-{self.name}-consumers"),
         )
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
@@ -56,6 +56,9 @@ class ConsumerProcess:
         fetched for the next free one, not yet kept in progress: past the ack wait JetStream hands it to another
         replica, and this one's later attempt finds it done (or asks its model again: the first facts saved are the
         ones written); a stop leaves it to the ack wait."""
+        # The messages it pulls come on the user's own inboxes, as every reply of this process does (FastStream's
+        # subscriber otherwise takes the default prefix, not the connection's).
+        user_inboxes = {"inbox_prefix": f"{bus.inbox_prefix(self.settings.nats_user)}.".encode()} if self.settings.nats_user else {}
         return self.broker.subscriber(
             subject,
             stream=JStream(stream, declare=False),
@@ -64,6 +67,7 @@ class ConsumerProcess:
             max_workers=workers,
             ack_policy=AckPolicy.MANUAL,
             no_reply=True,
+            **user_inboxes,
         )
 
     async def prepare(self, nc: NatsClient) -> None:

@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Collection
 from datetime import datetime
 
@@ -60,7 +59,7 @@ class WriteGateway:
         self._nc = nc
         self._sessions = sessions
         self._partitions = partitions
-        self._inbox = f"_INBOX.memories.{uuid.uuid4().hex}"
+        self._inbox = nc.new_inbox()  # under the process's own inbox prefix: its user's alone (shared.bus_permissions)
         self._waiting: dict[str, asyncio.Future[MemoryWriteOutcome]] = {}
 
     async def start(self) -> None:

@@ -96,6 +96,32 @@ async def test_a_service_configured_for_another_partition_count_than_the_bus_ref
             await nc.close()
 
 
+async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place_updates_no_stream(
+    tmp_path: Path,
+) -> None:
+    # A deployed service's user may not update a stream: at each start it must find nothing to update.
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus.connect(server.url, name="test-layout")
+        try:
+            js = nc.jetstream()
+            await bus.ensure_layout(js, Settings(memories_partitions=2))
+            updated: list[str] = []
+            update_stream = js.update_stream
+
+            async def recorded(config: StreamConfig, **options: Any) -> Any:
+                updated.append(config.name or "")
+                return await update_stream(config, **options)
+
+            js.update_stream = recorded  # type: ignore[method-assign]
+            await bus.ensure_layout(js, Settings(memories_partitions=2))
+            assert updated == []
+            await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60))
+            assert sorted(updated) == sorted([bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM])
+            assert (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 60
+        finally:
+            await nc.close()
+
+
 async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bus_is_read_from_its_consumers(
     tmp_path: Path,
 ) -> None:

@@ -48,8 +48,9 @@ class SecuredBus:
         )
 
     async def connect(self, role: str, name: str) -> NatsClient:
-        return await nats.connect(self.url, user=ROLES[role].user, password=self.passwords[role], name=name,
-                                  max_reconnect_attempts=1)
+        user = ROLES[role].user
+        return await nats.connect(self.url, user=user, password=self.passwords[role], name=name,
+                                  inbox_prefix=bus.inbox_prefix(user), max_reconnect_attempts=1)
 
     def log_size(self) -> int:
         return self.server.log_path.stat().st_size
@@ -205,15 +206,23 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
     platform = await secured_bus.connect("platform", "test-platform")
     try:
         js = extractor.jetstream(timeout=1)
+        shrunk = (await admin.jetstream().stream_info(bus.DEAD_LETTER_STREAM)).config
+        shrunk.max_msgs = 1
         for erase in (
             js.purge_stream(bus.DEAD_LETTER_STREAM),
             js.delete_msg(bus.DEAD_LETTER_STREAM, kept.seq),
             js.delete_stream(bus.GENERATIONS_STREAM),
+            js.update_stream(shrunk),
         ):
             with pytest.raises(nats.errors.TimeoutError):  # the server drops the request, and says so in its log
                 await erase
+        # Nor may it acknowledge (and so remove from the work queue) what the writers consume.
+        await extractor.publish(f"$JS.ACK.{bus.WRITES_STREAM}.writer-p0.1.1.1.0.0", b"+ACK")
         with pytest.raises(nats.errors.TimeoutError):
             await platform.jetstream(timeout=1).publish(bus.write_subject("mem_elsewhere", 4), b"{}")
+        # No user reads another's inboxes: where the messages a consumer pulls, and the writes' outcomes, arrive.
+        await platform.subscribe("_INBOX.>")
+        await platform.flush()
         assert (await admin.jetstream().stream_info(bus.DEAD_LETTER_STREAM)).state.messages == before
         assert (await admin.jetstream().stream_info(bus.GENERATIONS_STREAM)).config.name == bus.GENERATIONS_STREAM
     finally:
@@ -226,6 +235,9 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
         ("memories-extractor", "$JS.API.STREAM.PURGE.DEAD_LETTERS"),
         ("memories-extractor", "$JS.API.STREAM.MSG.DELETE.DEAD_LETTERS"),
         ("memories-extractor", "$JS.API.STREAM.DELETE.GENERATIONS"),
+        ("memories-extractor", "$JS.API.STREAM.UPDATE.DEAD_LETTERS"),
+        ("memories-extractor", f"$JS.ACK.{bus.WRITES_STREAM}.writer-p0"),
         ("memories-platform", "memories.write."),
+        ("memories-platform", "Subscription Violation - Subject \"_INBOX.>\""),
     ]:
         assert any(user in line and subject in line for line in refused), (user, subject, refused)
