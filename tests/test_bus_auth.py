@@ -194,6 +194,21 @@ async def test_no_client_gets_in_without_its_password(secured_bus: SecuredBus) -
         await asyncio.wait_for(bus.connect(secured_bus.url, name="test-wrong-service", settings=wrong), 10)
 
 
+async def test_one_node_refusing_a_login_others_take_does_not_stop_a_service(
+    secured_bus: SecuredBus, server_urls: tuple[str, str]
+) -> None:
+    # As while a password is rotated node by node: the service connects to a node that takes its login.
+    settings = make_settings(server_urls, nats_user=ROLES["writer"].user, nats_password="the-old-one")
+    nc = await asyncio.wait_for(
+        bus.connect(f"{secured_bus.url},{server_urls[1]}", name="test-rotation", settings=settings), 20
+    )
+    try:
+        assert nc.is_connected and nc.connected_url is not None
+        assert nc.connected_url.port == int(server_urls[1].rsplit(":", 1)[1])
+    finally:
+        await nc.close()
+
+
 async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_subjects(
     secured_bus: SecuredBus, server_urls: tuple[str, str]
 ) -> None:

@@ -196,6 +196,8 @@ BUS_USERS = {user.role: user for user in bus_permissions.USERS}
 
 def test_compose_services_log_in_to_the_bus_as_their_own_users() -> None:
     assert set(compose()["x-nats"]["environment"]) == {user.password_variable for user in bus_permissions.USERS}
+    # deploy/.env holds every user's password for compose's interpolation: no container loads it whole.
+    assert [entry["path"] for entry in compose()["x-memories"]["env_file"]] == ["providers.env"]
     for name, service in compose_memories_services().items():
         environment = service["environment"]
         if service["command"][0] == "migrate":
