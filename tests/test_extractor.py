@@ -787,3 +787,25 @@ async def test_a_turn_that_cannot_be_settled_is_logged_and_left_to_come_back(
     assert any(
         r.levelno == logging.ERROR and "could not be settled" in r.getMessage() and r.exc_info for r in caplog.records
     )
+
+
+async def test_a_turn_waits_on_its_writes_until_each_is_applied_or_failed(
+    sessions: async_sessionmaker[AsyncSession], memory: dict[str, Any]
+) -> None:
+    # What the extractor reads before extracting a turn again whose writes were queued (services.extractor.main).
+    from shared import repository as repo
+
+    extractor = Extractor(sessions, gateway=None, llm_timeout=1, write_timeout=1)  # type: ignore[arg-type]
+    ids = ["wr_decided_a", "wr_decided_b"]
+    async with sessions.begin() as session:
+        for write_id in ids:
+            await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+    assert not await extractor.decided(ids)  # both pending: claimed, on the bus
+    async with sessions.begin() as session:
+        await session.execute(text("UPDATE write_outcomes SET status = 'applied' WHERE write_id = :id"), {"id": ids[0]})
+    assert not await extractor.decided(ids)
+    async with sessions.begin() as session:
+        await session.execute(text("UPDATE write_outcomes SET status = 'failed' WHERE write_id = :id"), {"id": ids[1]})
+    assert await extractor.decided(ids)
+    # A write never claimed (its claim refused with the database down) is nothing to wait for.
+    assert await extractor.decided(["wr_never_claimed"])
