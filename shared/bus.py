@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import re
+import signal
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -507,9 +509,16 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
                 refused.set_result(None)
         await report_connection_error(error)
 
-    connecting = asyncio.ensure_future(
-        nc.connect(servers=servers, **{**connection_options(settings, name=name), "error_cb": on_error}, **login(settings))
-    )
+    async def on_closed() -> None:
+        # Closed for good while the service runs: nats-py reconnects after anything but a login refused on a live
+        # connection (a reload of the server's configuration that removed the user or changed its password).
+        if connected and nc.last_error is not None and refused_login(nc.last_error):
+            log.critical("NATS refused the login of %s on a live connection: stopping, to start again with the "
+                         "settings of now", (settings.nats_user if settings else None) or "no user")
+            stop_this_process()
+
+    options = {**connection_options(settings, name=name), "error_cb": on_error, "closed_cb": on_closed}
+    connecting = asyncio.ensure_future(nc.connect(servers=servers, **options, **login(settings)))
     try:
         await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
@@ -524,6 +533,11 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
                 await connecting
             with contextlib.suppress(Exception):
                 await nc.close()
+
+
+def stop_this_process() -> None:
+    """As an orchestrator stops it (SIGTERM): the service shuts down in order, and is started again."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _login_refused(servers: list[str], settings: Settings | None) -> str:

@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -256,3 +257,25 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
         ("memories-platform", "Subscription Violation - Subject \"_INBOX.>\""),
     ]:
         assert any(user in line and subject in line for line in refused), (user, subject, refused)
+
+
+async def test_a_service_whose_login_is_revoked_while_it_runs_stops_to_be_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nats-py reconnects after anything but this: it closed for good, and the service ran on without its bus.
+    config = tmp_path / "server.conf"
+    config.write_text('authorization { users: [ {user: "memories-writer", password: "before"} ] }\n')
+    server = EmbeddedNats(tmp_path / "nats", extra_args=["-c", str(config)], login=("memories-writer", "before"))
+    url = server.start()
+    stopped = asyncio.Event()
+    monkeypatch.setattr(bus, "stop_this_process", stopped.set)
+    try:
+        settings = make_settings(("unused", url), nats_user="memories-writer", nats_password="before")
+        nc = await bus.connect(url, name="test-revoked", settings=settings)
+        config.write_text('authorization { users: [ {user: "memories-writer", password: "after"} ] }\n')
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGHUP)  # the configuration reloaded, as the Helm chart's reloader does
+        await asyncio.wait_for(stopped.wait(), 10)
+        assert nc.is_closed
+    finally:
+        server.stop()
