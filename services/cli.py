@@ -340,10 +340,10 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
 async def _configured_alike(settings: Settings) -> int:
     """0 when the bus is laid out for this service's partition count and the stored vectors have its embedding
     dimension (or neither is made yet); raises ConfiguredUnlike otherwise."""
-    from shared import bus
+    from shared import bus, bus_connection
     from shared.db.session import check_embedding_dimensions, create_engine
 
-    nc = await bus.connect(settings.nats_url or "", name="memories-api-check", settings=settings)
+    nc = await bus_connection.connect(settings.nats_url or "", name="memories-api-check", settings=settings)
     try:
         await bus.check_partitions(nc.jetstream(), settings)
     finally:

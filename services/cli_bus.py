@@ -14,7 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from shared import bus, bus_admin
+from shared import bus, bus_admin, bus_connection
 from shared.servers import NATS_URL_MISSING, nats_url_for
 from shared.settings import Settings, get_settings
 
@@ -54,7 +54,7 @@ def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]
     """Run `work` on the bus at `nats_url`; exits 1, in one line, when it cannot be reached."""
 
     async def run() -> T:
-        nc = await bus.connect(nats_url, name="memories-cli", one_shot=True, settings=get_settings())
+        nc = await bus_connection.connect(nats_url, name="memories-cli", one_shot=True, settings=get_settings())
         try:
             return await work(nc.jetstream())
         finally:
@@ -68,12 +68,12 @@ def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]
             raise SystemExit(1) from None
         # No responder for the JetStream API: nats-py says only "code=None … description='None'".
         print(
-            f"JetStream is not available on the NATS server at {bus.redacted_servers(nats_url)}: start the server "
+            f"JetStream is not available on the NATS server at {bus_connection.redacted_servers(nats_url)}: start the server "
             "with JetStream enabled (nats-server -js, or jetstream {} in its configuration)",
             file=sys.stderr,
         )
         raise SystemExit(1) from None
-    except (bus.BusUnreachable, nats.errors.Error) as exc:  # unreachable, or JetStream refused: one line, no traceback
+    except (bus_connection.BusUnreachable, nats.errors.Error) as exc:  # unreachable, or JetStream refused: one line, no traceback
         print(str(exc) or type(exc).__name__, file=sys.stderr)
         raise SystemExit(1) from None
 

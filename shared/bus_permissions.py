@@ -1,6 +1,6 @@
 """Who may do what on a deployed bus: one NATS user per service, allowed the subjects its code uses and no others.
 
-- Each user's replies come on inboxes of its own (`bus.inbox_prefix`), which no other user may read: the messages a
+- Each user's replies come on inboxes of its own (`bus_connection.inbox_prefix`), which no other user may read: the messages a
   consumer pulls, JetStream's answers, a write's outcome.
 - A service may read and create the streams (every service applies the layout as it starts) but not change them,
   and acknowledge only what its own consumers deliver. Deleting, purging or updating a stream, deleting a stored
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared import bus
+from shared import bus, bus_connection
 
 DEPLOY_NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
 SERVER_CONFIG = DEPLOY_NATS / "auth.conf"
@@ -58,7 +58,7 @@ class BusUser:
 
     @property
     def inboxes(self) -> str:
-        return f"{bus.inbox_prefix(self.user)}.>"
+        return f"{bus_connection.inbox_prefix(self.user)}.>"
 
     @property
     def password_variable(self) -> str:
@@ -72,7 +72,7 @@ class BusUser:
 
 
 _TURNS = [f"{bus.GENERATION_COMPLETED_ROOT}.*", f"{bus.GENERATION_DELETED_ROOT}.*", f"{bus.CONVERSATION_DELETED_ROOT}.*"]
-API, WRITER, EXTRACTOR = (bus.inbox_prefix(f"memories-{role}") for role in ("api", "writer", "extractor"))
+API, WRITER, EXTRACTOR = (bus_connection.inbox_prefix(f"memories-{role}") for role in ("api", "writer", "extractor"))
 
 USERS = (
     BusUser(

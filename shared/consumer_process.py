@@ -14,7 +14,7 @@ from faststream.nats.security import NatsUserPassword
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared import bus, metrics
+from shared import bus, bus_connection, metrics
 from shared.db.session import create_engine
 from shared.lifecycle import freeze_long_lived_objects, wait_for_shutdown_signal
 from shared.metrics_server import MetricsServer, serve_metrics
@@ -29,13 +29,13 @@ class ConsumerProcess:
         assert settings.database_url and settings.nats_url, "resolve the servers before starting a service"
         self.settings = settings
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
-        login = bus.login(settings)
+        login = bus_connection.login(settings)
         self.broker = NatsBroker(
             settings.nats_url.split(","),
             graceful_timeout=graceful_timeout,
             logger=None,
             security=NatsUserPassword(login["user"], login["password"]) if login else None,
-            **bus.connection_options(settings, name=f"memories-{self.name}-consumers"),
+            **bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers"),
         )
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
@@ -58,7 +58,7 @@ class ConsumerProcess:
         ones written); a stop leaves it to the ack wait."""
         # The messages it pulls come on the user's own inboxes, as every reply of this process does (FastStream's
         # subscriber otherwise takes the default prefix, not the connection's).
-        user_inboxes = {"inbox_prefix": f"{bus.inbox_prefix(self.settings.nats_user)}.".encode()} if self.settings.nats_user else {}
+        user_inboxes = {"inbox_prefix": f"{bus_connection.inbox_prefix(self.settings.nats_user)}.".encode()} if self.settings.nats_user else {}
         return self.broker.subscriber(
             subject,
             stream=JStream(stream, declare=False),
@@ -82,7 +82,7 @@ class ConsumerProcess:
             from shared.scripted_llm import install_scripts  # tests and benchmarks only
 
             install_scripts(self.settings.memories_scripted_llm)
-        self.nc = await bus.connect(self.settings.nats_url or "", name=f"memories-{self.name}", settings=self.settings)
+        self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.name}", settings=self.settings)
         await bus.ensure_layout(self.nc.jetstream(), self.settings)
         await self.prepare(self.nc)
         freeze_long_lived_objects()

@@ -15,7 +15,7 @@ import pytest
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from shared import bus, bus_admin
+from shared import bus, bus_admin, bus_connection
 from shared.servers import EmbeddedNats
 from shared.settings import Settings
 
@@ -78,7 +78,7 @@ def test_retry_delay_doubles_and_is_capped() -> None:
 async def test_a_service_configured_for_another_partition_count_than_the_bus_refuses_to_start(tmp_path: Path) -> None:
     # Its writes would land on partitions no writer consumes, or a memory's writes on two partitions.
     with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-partitions")
+        nc = await bus_connection.connect(server.url, name="test-partitions")
         try:
             js = nc.jetstream()
             # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
@@ -101,7 +101,7 @@ async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place
 ) -> None:
     # A deployed service's user may not update a stream: at each start it must find nothing to update.
     with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-layout")
+        nc = await bus_connection.connect(server.url, name="test-layout")
         try:
             js = nc.jetstream()
             await bus.ensure_layout(js, Settings(memories_partitions=2))
@@ -126,7 +126,7 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
     tmp_path: Path,
 ) -> None:
     with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-partitions")
+        nc = await bus_connection.connect(server.url, name="test-partitions")
         try:
             js = nc.jetstream()
             # Laid out by a version that did not record the count: read from its writer partition consumers.
@@ -169,8 +169,8 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
 
 @pytest.mark.parametrize("url", ["nats://admin:S3cretNatsPw@127.0.0.1:1", "admin:S3cretNatsPw@127.0.0.1:1"])
 async def test_a_one_shot_command_that_cannot_reach_nats_does_not_print_its_password(url: str) -> None:
-    with pytest.raises(bus.BusUnreachable) as unreachable:
-        await bus.connect(url, name="test", one_shot=True)
+    with pytest.raises(bus_connection.BusUnreachable) as unreachable:
+        await bus_connection.connect(url, name="test", one_shot=True)
     assert "S3cretNatsPw" not in str(unreachable.value) and "127.0.0.1:1" in str(unreachable.value)
 
 
@@ -181,7 +181,7 @@ def test_the_local_run_applies_a_changed_partition_count_before_its_services_sta
     from services.cli_bus import lay_out_for_the_local_run
 
     async def layout_of(url: str, queue_a_write: bool = False) -> tuple[int | None, list[str]]:
-        nc = await bus.connect(url, name="test-local-run")
+        nc = await bus_connection.connect(url, name="test-local-run")
         try:
             js = nc.jetstream()
             if queue_a_write:
@@ -210,7 +210,7 @@ def test_the_local_run_releases_the_writes_its_last_writer_held(tmp_path: Path) 
     settings = Settings(memories_partitions=4)
 
     async def held_by_a_writer(url: str) -> None:
-        nc = await bus.connect(url, name="test-held")
+        nc = await bus_connection.connect(url, name="test-held")
         try:
             js = nc.jetstream()
             for n in range(2):
@@ -225,7 +225,7 @@ def test_the_local_run_releases_the_writes_its_last_writer_held(tmp_path: Path) 
             await nc.close()
 
     async def consumer_of(url: str) -> tuple[int, int]:
-        nc = await bus.connect(url, name="test-held")
+        nc = await bus_connection.connect(url, name="test-held")
         try:
             info = await nc.jetstream().consumer_info(bus.WRITES_STREAM, bus.writer_durable(2))
             return info.num_ack_pending or 0, info.num_pending or 0
@@ -249,7 +249,7 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
     # A publisher left on the old count after it was lowered from 8 to 4 (docs/operations.md): its writes land on
     # partitions no writer of the new count takes, and stayed there (each caller was told 202).
     with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-reroute")
+        nc = await bus_connection.connect(server.url, name="test-reroute")
         try:
             js = nc.jetstream()
             await bus.ensure_layout(js, Settings(memories_partitions=8))
@@ -297,7 +297,7 @@ async def test_a_publish_jetstream_answers_with_an_error_is_known_not_stored(tmp
     # Every failure counted as "sent, may still be applied" (a 503 that said so, with a write id to look up), even
     # when JetStream had answered that it stored nothing.
     with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus.connect(server.url, name="test-refused")
+        nc = await bus_connection.connect(server.url, name="test-refused")
         try:
             await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2))
             with pytest.raises(bus.BusUnavailable) as refused:  # the subject is not the named stream's

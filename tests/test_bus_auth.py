@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 
 from services.extractor.main import ExtractorService
 from services.writer.main import Writer
-from shared import bus, bus_permissions, dead_letters
+from shared import bus, bus_connection, bus_permissions, dead_letters
 from shared.events import ConversationDeleted
 from shared.scripted_llm import ScriptedLLM
 from shared.servers import EmbeddedNats
@@ -51,7 +51,7 @@ class SecuredBus:
     async def connect(self, role: str, name: str) -> NatsClient:
         user = ROLES[role].user
         return await nats.connect(self.url, user=user, password=self.passwords[role], name=name,
-                                  inbox_prefix=bus.inbox_prefix(user), max_reconnect_attempts=1)
+                                  inbox_prefix=bus_connection.inbox_prefix(user), max_reconnect_attempts=1)
 
     def log_size(self) -> int:
         return self.server.log_path.stat().st_size
@@ -188,26 +188,34 @@ async def test_no_client_gets_in_without_its_password(secured_bus: SecuredBus) -
     with pytest.raises(nats.errors.NoServersError):
         await nats.connect(secured_bus.url, max_reconnect_attempts=1, connect_timeout=2)
     wrong = make_settings(("unused", secured_bus.url), nats_user=ROLES["writer"].user, nats_password="not-it")
-    with pytest.raises(bus.BusUnreachable, match="refused the login \\(memories-writer\\)"):
-        await bus.connect(secured_bus.url, name="test-wrong", one_shot=True, settings=wrong)
+    with pytest.raises(bus_connection.BusUnreachable, match="refused the login \\(memories-writer\\)"):
+        await bus_connection.connect(secured_bus.url, name="test-wrong", one_shot=True, settings=wrong)
     # A service waits for a bus that is down, not for one that refuses its login: it stops, saying what to set.
-    with pytest.raises(bus.LoginRefused, match="refused the login \\(memories-writer\\): set NATS_USER"):
-        await asyncio.wait_for(bus.connect(secured_bus.url, name="test-wrong-service", settings=wrong), 10)
+    with pytest.raises(bus_connection.LoginRefused, match="refused the login \\(memories-writer\\): set NATS_USER"):
+        await asyncio.wait_for(bus_connection.connect(secured_bus.url, name="test-wrong-service", settings=wrong), 10)
 
 
 async def test_one_node_refusing_a_login_others_take_does_not_stop_a_service(
-    secured_bus: SecuredBus, server_urls: tuple[str, str]
+    secured_bus: SecuredBus, server_urls: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As while a password is rotated node by node: the service connects to a node that takes its login.
+    options = bus_connection.connection_options
+    monkeypatch.setattr(bus_connection, "connection_options",  # the refusing node first, not in a random order
+                        lambda *args, **kwargs: {**options(*args, **kwargs), "dont_randomize": True})
+    stopped: list[bool] = []
+    monkeypatch.setattr(bus_connection, "stop_this_process", lambda: stopped.append(True))
     settings = make_settings(server_urls, nats_user=ROLES["writer"].user, nats_password="the-old-one")
     nc = await asyncio.wait_for(
-        bus.connect(f"{secured_bus.url},{server_urls[1]}", name="test-rotation", settings=settings), 20
+        bus_connection.connect(f"{secured_bus.url},{server_urls[1]}", name="test-rotation", settings=settings), 20
     )
     try:
         assert nc.is_connected and nc.connected_url is not None
         assert nc.connected_url.port == int(server_urls[1].rsplit(":", 1)[1])
+        assert nc.last_error is not None and bus_connection.refused_login(nc.last_error)
     finally:
         await nc.close()
+    # Its last error is the refusal it got past; closed by its own code, it is not taken for a login revoked.
+    assert stopped == []
 
 
 async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_subjects(
@@ -268,10 +276,10 @@ async def test_a_service_whose_login_is_revoked_while_it_runs_stops_to_be_starte
     server = EmbeddedNats(tmp_path / "nats", extra_args=["-c", str(config)], login=("memories-writer", "before"))
     url = server.start()
     stopped = asyncio.Event()
-    monkeypatch.setattr(bus, "stop_this_process", stopped.set)
+    monkeypatch.setattr(bus_connection, "stop_this_process", stopped.set)
     try:
         settings = make_settings(("unused", url), nats_user="memories-writer", nats_password="before")
-        nc = await bus.connect(url, name="test-revoked", settings=settings)
+        nc = await bus_connection.connect(url, name="test-revoked", settings=settings)
         config.write_text('authorization { users: [ {user: "memories-writer", password: "after"} ] }\n')
         assert server.pid is not None
         os.kill(server.pid, signal.SIGHUP)  # the configuration reloaded, as the Helm chart's reloader does

@@ -25,7 +25,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.main import Writer
-from shared import bus, dead_letters, metrics
+from shared import bus, bus_connection, dead_letters, metrics
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.events import MemoryWriteRequested
@@ -72,7 +72,7 @@ async def dlq_bus(
             project = await repo.create_project(session, "dead letters")
             memory = await repo.create_memory(session, project_id=project.id, name="dlq", description=None,
                                               tags=None, write_policy="seed")
-        nc = await bus.connect(settings.nats_url or "", name="dlq-test")
+        nc = await bus_connection.connect(settings.nats_url or "", name="dlq-test")
         try:
             yield Bus(settings, nc.jetstream(), memory.id, project.id)
         finally:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from shared import bus
+from shared import bus, bus_connection
 from shared.logs import ContextFilter, JsonFormatter, TextFormatter, configure, log_context, resolve_format
 from shared.settings import Settings
 
@@ -201,7 +201,7 @@ async def test_a_dead_letter_line_names_what_it_can_of_an_undecodable_write(
     settings: Settings, writers: list[Any], json_lines: io.StringIO
 ) -> None:
     assert settings.nats_url
-    nc: NatsClient = await bus.connect(settings.nats_url, name="test-logs")
+    nc: NatsClient = await bus_connection.connect(settings.nats_url, name="test-logs")
     try:
         subject = bus.write_subject("mem_unreadable", settings.memories_partitions)
         await nc.jetstream().publish(subject, b'{"event_id": "wr_unreadable"}', stream=bus.WRITES_STREAM)

@@ -22,7 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from services.extractor.main import ExtractorService
 from services.writer.main import Writer
-from shared import bus, metrics
+from shared import bus, bus_connection, metrics
 from shared.agents import ExtractionConfig
 from shared.embeddings import LOCAL_MODEL, EmbeddingError, embed_texts, register_local_provider
 from shared.events import GenerationAgent, GenerationCompleted, MemoryWriteOutcome, MemoryWriteRequested
@@ -69,7 +69,7 @@ def count(name: str, **labels: str) -> float:
 @pytest_asyncio.fixture
 async def nc(settings: Settings) -> AsyncIterator[NatsClient]:
     assert settings.nats_url
-    connection = await bus.connect(settings.nats_url, name="test-metrics")
+    connection = await bus_connection.connect(settings.nats_url, name="test-metrics")
     yield connection
     await connection.close()
 
@@ -270,7 +270,7 @@ async def test_lag_poller_reads_backlog_and_redeliveries_and_forgets_deleted_con
 
 async def test_lag_poller_survives_a_lost_connection_and_counts_it(settings: Settings) -> None:
     assert settings.nats_url
-    closed = await bus.connect(settings.nats_url, name="test-metrics-closed")
+    closed = await bus_connection.connect(settings.nats_url, name="test-metrics-closed")
     await closed.close()
     errors = count("memories_lag_poll_errors_total")
     poller = asyncio.create_task(

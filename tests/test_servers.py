@@ -17,7 +17,7 @@ import psutil
 import pytest
 from nats.js.api import StorageType
 
-from shared import servers
+from shared import bus_connection, servers
 from shared.db.session import create_engine
 from shared.servers import EmbeddedNats, EmbeddedPostgres, ServerStartError, start_nats_cluster
 from shared.settings import Settings
@@ -235,11 +235,10 @@ async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
 ) -> None:
     """nats-py's default error callback logged each failed reconnect at ERROR with a traceback (7 in 10 s of an
     outage the service waits out)."""
-    from shared import bus
 
     server = EmbeddedNats(tmp_path / "nats")
     try:
-        nc = await bus.connect(server.start(), name="outage-test")
+        nc = await bus_connection.connect(server.start(), name="outage-test")
         server.stop()
         with caplog.at_level(logging.WARNING):
             for _ in range(100):
@@ -256,14 +255,13 @@ async def test_a_nats_outage_is_logged_a_line_at_a_time_not_as_tracebacks(
 
 async def test_a_fault_nats_reports_is_not_taken_for_an_outage(caplog: pytest.LogCaptureFixture) -> None:
     """The same callback gets the errors raised in subscription callbacks: those are bugs, logged with their trace."""
-    from shared import bus
 
     with caplog.at_level(logging.WARNING):
-        await bus.report_connection_error(TimeoutError())
+        await bus_connection.report_connection_error(TimeoutError())
         try:
             raise KeyError("write_id")
         except KeyError as exc:
-            await bus.report_connection_error(exc)
+            await bus_connection.report_connection_error(exc)
     outage, fault = caplog.records[-2:]
     assert (outage.levelno, outage.exc_info) == (logging.WARNING, None)
     assert fault.levelno == logging.ERROR and fault.exc_info is not None and "write_id" in fault.getMessage()

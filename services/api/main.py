@@ -28,7 +28,7 @@ from services.api.routes import (
     providers,
     writes,
 )
-from shared import bus
+from shared import bus, bus_connection
 from shared import metrics as service_metrics
 from shared.db.session import create_engine, session_factory
 from shared.embeddings import EmbeddingError, preload
@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
         # write, and is then told to retry: a 503, not a connection held for minutes.
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
         app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)  # /readyz's own
-        nc = await bus.connect(settings.nats_url, name="memories-api", settings=settings)
+        nc = await bus_connection.connect(settings.nats_url, name="memories-api", settings=settings)
         await bus.ensure_layout(nc.jetstream(), settings)
         sessions = session_factory(engine)
         gateway = WriteGateway(nc, sessions, settings.memories_partitions)

@@ -21,7 +21,7 @@ log = logging.getLogger("memories.db")
 # settings bound a wait on a server whose host vanished without closing the connection (a failover, a dropped
 # route): with the kernel's defaults a statement waiting for its answer would wait about two hours for the
 # first keepalive probe, and a writer would keep its partitions (and their pins) the whole time. Here it is
-# given up after ~45 s, as a hung NATS server is (shared.bus.connect).
+# given up after ~45 s, as a hung NATS server is (shared.bus_connection.connect).
 CONNECTION_DEFAULTS: dict[str, int] = {
     "connect_timeout": 5,
     "keepalives": 1,

@@ -1,0 +1,192 @@
+"""How a process reaches NATS: a service waits out an outage for as long as it lasts, a one-shot command gives up
+after a few tries; both log in as the process's NATS user (NATS_USER) and take their replies on that user's own
+inboxes (shared.bus_permissions)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from shared.settings import ConfiguredUnlike, Settings
+
+log = logging.getLogger(__name__)
+
+
+class BusUnreachable(Exception):
+    """A one-shot command could not reach any NATS server."""
+
+
+_CONNECTION_ERRORS = (
+    OSError, TimeoutError, nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError,
+    nats.errors.UnexpectedEOF, nats.errors.NoServersError,
+)
+
+
+async def report_connection_error(error: Exception) -> None:
+    """What nats-py reports while it reconnects (a timeout, a refused connection): one line each; its default logs
+    every one at ERROR with a traceback, for an outage the service waits out. Anything else it reports (an error
+    raised in a subscription's callback, a slow consumer dropping messages) is a fault: at ERROR, with its trace."""
+    if isinstance(error, _CONNECTION_ERRORS) or refused_login(error):
+        log.warning("NATS connection: %s", str(error) or type(error).__name__)
+    else:
+        log.error("NATS client error: %s", str(error) or type(error).__name__, exc_info=error)
+
+
+def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any]:
+    """How a service connects, for nats-py and for FastStream's broker alike: it retries the bus for as long as it is
+    down (FastStream's own default gives up after ~2 minutes, and its consumers with it), and logs in as the NATS
+    user of `settings`, if any, with replies on inboxes of its own (`inbox_prefix`)."""
+    options: dict[str, Any] = {
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 5,
+        # A server that hangs (not one that closes) is left once a third ping is due with two unanswered:
+        # ~45 s, not nats-py's default ~8 minutes (with 3 outstanding it took ~60 s, measured).
+        "ping_interval": 15,
+        "max_outstanding_pings": 2,
+        "error_cb": report_connection_error,
+    }
+    if settings is not None and settings.nats_user:
+        options["inbox_prefix"] = inbox_prefix(settings.nats_user)
+    return options
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies come (JetStream's answers, the messages it pulls, a write's outcome): a subject tree
+    only that user may subscribe to (shared.bus_permissions)."""
+    return f"_INBOX.{user}"
+
+
+def login(settings: Settings | None) -> dict[str, str]:
+    """The user and password nats-py sends, when one is configured (deploy/nats/auth.conf names the users)."""
+    if settings is None or not settings.nats_user:
+        return {}
+    password = settings.nats_password.get_secret_value() if settings.nats_password else ""
+    return {"user": settings.nats_user, "password": password}
+
+
+async def connect(url: str, *, name: str, one_shot: bool = False, settings: Settings | None = None) -> NatsClient:
+    """A service retries the bus for as long as it is down; a one-shot command (`memories bus init`, `dlq`)
+    tries each server a few times, then raises BusUnreachable instead of hanging. It logs in as the NATS user of
+    `settings`, if any; `url` is apart from them, as a command may reach the local run's NATS, which they do not name."""
+    servers = url.split(",")
+    if not one_shot:
+        return await _connect_service(servers, name, settings)
+
+    errors: list[Exception] = []
+
+    async def quiet(error: Exception) -> None:
+        # A failed attempt to connect is reported by the caller, once; a refusal once connected is said at once,
+        # or the command would only time out ("nats: timeout").
+        if "permissions violation" in str(error).lower():
+            user = (settings.nats_user if settings else None) or "no user"
+            log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", user, error)
+        errors.append(error)
+
+    options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
+    try:
+        return await nats.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings))
+    except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
+        if any(refused_login(error) for error in errors):
+            raise BusUnreachable(_login_refused(servers, settings)) from exc
+        raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
+
+
+class LoginRefused(ConfiguredUnlike):
+    """NATS refused this process's user and password as it started."""
+
+
+def refused_login(error: Exception) -> bool:
+    # nats-py raises a plain Error with the server's message as it connects, AuthorizationError for one a live
+    # connection is sent.
+    return isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in str(error).lower()
+
+
+class _ServiceClient(NatsClient):
+    """Knows whether its own code closed it: its last error may be a refused login from a reconnect that a later
+    one made good, so the error alone does not say that the server closed it."""
+
+    closed_on_purpose = False
+
+    async def close(self) -> None:
+        self.closed_on_purpose = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.closed_on_purpose = True
+        await super().drain()
+
+
+async def _connect_service(servers: list[str], name: str, settings: Settings | None) -> NatsClient:
+    """Waits for a bus that is down, but not for long on a login it refuses: once every server was tried twice and
+    each attempt refused, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. One node of a
+    cluster that refuses while the others accept (a password rotated node by node) is not the end; once connected,
+    a refusal on a reconnect is waited out like an outage."""
+    nc = _ServiceClient()
+    refusals_to_stop = 2 * len(servers)
+    refusals = 0
+    refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    connected = False
+
+    async def on_error(error: Exception) -> None:
+        nonlocal refusals
+        if not connected and refused_login(error):
+            refusals += 1
+            if refusals >= refusals_to_stop and not refused.done():
+                refused.set_result(None)
+        await report_connection_error(error)
+
+    async def on_closed() -> None:
+        # Closed for good while the service runs: nats-py reconnects after anything but a login refused on a live
+        # connection (a reload of the server's configuration that removed the user or changed its password).
+        if connected and not nc.closed_on_purpose and nc.last_error is not None and refused_login(nc.last_error):
+            log.critical("NATS refused the login of %s on a live connection: stopping, to start again with the "
+                         "settings of now", (settings.nats_user if settings else None) or "no user")
+            stop_this_process()
+
+    options = {**connection_options(settings, name=name), "error_cb": on_error, "closed_cb": on_closed}
+    connecting = asyncio.ensure_future(nc.connect(servers=servers, **options, **login(settings)))
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            raise LoginRefused(_login_refused(servers, settings))
+        connecting.result()
+        connected = True
+        return nc
+    finally:
+        if not connected:  # refused, failed, or the caller cancelled: no connection left trying in the background
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+
+def stop_this_process() -> None:
+    """As an orchestrator stops it (SIGTERM): the service shuts down in order, and is started again."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _login_refused(servers: list[str], settings: Settings | None) -> str:
+    user = (settings.nats_user if settings else None) or "no user"
+    return (
+        f"NATS at {redacted_servers(','.join(servers))} refused the login ({user}): set NATS_USER and NATS_PASSWORD "
+        "to a user of its configuration (deploy/nats/auth.conf)"
+    )
+
+
+def redacted_servers(url: str) -> str:
+    """The NATS servers of `url` as a log or an error may show them: no password (a Job's log is read widely).
+    nats-py reads a server without a scheme as nats://, and so does this."""
+    from shared.agents import redact_address
+
+    return ",".join(redact_address(s if "://" in s else f"nats://{s}") for s in url.split(","))
