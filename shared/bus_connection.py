@@ -112,8 +112,8 @@ def refused_login(error: Exception) -> bool:
 
 
 class _ServiceClient(NatsClient):
-    """Knows whether its own code closed it: its last error may be a refused login from a reconnect that a later
-    one made good, so the error alone does not say that the server closed it."""
+    """Knows whether its own code closed it. A close it did not ask for stops the service; its last error does not
+    tell the two apart (it may be a refused login from an attempt that a later one got past)."""
 
     closed_on_purpose = False
 
@@ -146,11 +146,11 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
         await report_connection_error(error)
 
     async def on_closed() -> None:
-        # Closed for good while the service runs: nats-py reconnects after anything but a login refused on a live
-        # connection (a reload of the server's configuration that removed the user or changed its password).
-        if connected and not nc.closed_on_purpose and nc.last_error is not None and refused_login(nc.last_error):
-            log.critical("NATS refused the login of %s on a live connection: stopping, to start again with the "
-                         "settings of now", (settings.nats_user if settings else None) or "no user")
+        # Closed for good, not by this process: nats-py reconnects after an outage, but not after a server's error
+        # on a live connection (its login revoked by a reload of the configuration, among others).
+        if connected and not nc.closed_on_purpose:
+            log.critical("the NATS connection was closed for good (%s): stopping, to be started again",
+                         nc.last_error or "no error given")
             stop_this_process()
 
     options = {**connection_options(settings, name=name), "error_cb": on_error, "closed_cb": on_closed}

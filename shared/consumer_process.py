@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from faststream.middlewares import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
@@ -22,6 +23,11 @@ from shared.settings import Settings
 
 log = logging.getLogger("memories.service")
 
+
+def exit_at_once() -> None:
+    logging.shutdown()
+    os._exit(1)
+
 class ConsumerProcess:
     name = "consumer"
 
@@ -36,7 +42,9 @@ class ConsumerProcess:
             logger=None,
             security=NatsUserPassword(login["user"], login["password"]) if login else None,
             **bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers"),
+            closed_cb=self._consumers_closed,
         )
+        self._stopping = False
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
         self.nc: NatsClient | None = None
@@ -105,7 +113,16 @@ class ConsumerProcess:
             self._failure = reason
         self._stop.set()
 
+    async def _consumers_closed(self) -> None:
+        """FastStream's pull loop fetches again at once when a fetch fails on a closed connection, never yielding to
+        the event loop: on a connection the server closed for good (a login revoked) the process would spin at full
+        CPU, deaf to SIGTERM. Such a close ends it at once; what it held is delivered again after the ack wait."""
+        if not self._stopping:
+            log.critical("%s: the consumers' NATS connection was closed for good: exiting", self.name)
+            exit_at_once()
+
     async def stop(self) -> None:
+        self._stopping = True
         if self._lag_poller is not None:
             self._lag_poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -113,7 +130,7 @@ class ConsumerProcess:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         await self.broker.stop()
-        if self.nc is not None:
+        if self.nc is not None and not self.nc.is_closed:  # closed for good by the server: nothing to drain
             await self.nc.drain()
         await self.engine.dispose()
 

@@ -270,7 +270,7 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
 async def test_a_service_whose_login_is_revoked_while_it_runs_stops_to_be_started_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # nats-py reconnects after anything but this: it closed for good, and the service ran on without its bus.
+    # nats-py reconnects after an outage, not after this: it closed for good, and the service ran on without its bus.
     config = tmp_path / "server.conf"
     config.write_text('authorization { users: [ {user: "memories-writer", password: "before"} ] }\n')
     server = EmbeddedNats(tmp_path / "nats", extra_args=["-c", str(config)], login=("memories-writer", "before"))
@@ -287,3 +287,20 @@ async def test_a_service_whose_login_is_revoked_while_it_runs_stops_to_be_starte
         assert nc.is_closed
     finally:
         server.stop()
+
+
+def test_a_service_whose_consumers_connection_is_closed_for_good_exits_at_once(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FastStream's pull loop fetches again at once when a fetch fails on a closed connection, without yielding to
+    the event loop: the process spun at full CPU and never handled SIGTERM (seen with a login revoked)."""
+    from shared import consumer_process
+
+    exits: list[bool] = []
+    monkeypatch.setattr(consumer_process, "exit_at_once", lambda: exits.append(True))
+    writer = Writer(settings)
+    asyncio.run(writer._consumers_closed())
+    assert exits == [True]
+    writer._stopping = True  # closed by its own stop: nothing to say
+    asyncio.run(writer._consumers_closed())
+    assert exits == [True]

@@ -94,7 +94,8 @@ def create_app(settings: Settings) -> FastAPI:
                 await lag_poller
             if app.state.announcing:
                 await asyncio.wait(app.state.announcing, timeout=bus.PUBLISH_TIMEOUT_S)
-            await nc.drain()
+            if not nc.is_closed:  # closed for good by the server: nothing to drain
+                await nc.drain()
             await engine.dispose()
             await app.state.probe_engine.dispose()
 
