@@ -238,7 +238,8 @@ async def ensure_layout(
 ) -> None:
     """Apply the layout; retried, because services starting together on a cluster race to apply it and a
     stream's leader may still be in election. Only `memories bus init` (`sets_partitions`) changes the partition
-    count the bus was laid out for; a service configured for another one raises PartitionCountMismatch."""
+    count the bus was laid out for (a service configured for another one raises PartitionCountMismatch) and
+    updates every stream; a service updates one only if it is unlike its version and no NATS user is configured."""
     for attempt in range(1, attempts + 1):
         try:
             await _apply_layout(js, settings, sets_partitions=sets_partitions)
@@ -259,29 +260,48 @@ async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partit
         except NotFoundError:
             await js.add_stream(stream)
             continue
-        if not _laid_out_as(existing.config, stream):
-            # A deployed service's user may not update a stream (shared.bus_permissions): `memories bus init`, run
-            # by the admin before a new version's services start, makes this a no-op for them.
+        if sets_partitions:  # `memories bus init`: the layout as this version has it, whatever the stream holds
+            await js.update_stream(stream)
+        elif unlike := _settings_unlike(existing.config, stream):
+            if settings.nats_user:
+                # A deployed service's user may not update a stream (shared.bus_permissions): the server would drop
+                # the request, and the service time out five times before it stopped.
+                raise StreamLaidOutUnlike(
+                    f"stream {stream.name} is laid out unlike this version ({', '.join(unlike)}): run this "
+                    "version's `memories bus init` as the admin user first (docs/operations.md)"
+                )
             await js.update_stream(stream)
     for stream_name, consumers in plan.consumers.items():
         for consumer in consumers:
             await _ensure_consumer(js, stream_name, consumer)
 
 
-def _laid_out_as(existing: StreamConfig, wanted: StreamConfig) -> bool:
-    """Whether a stream has every setting the layout gives it. The server fills in the others (a duplicate window
-    left at 0, metadata of its own): only what the layout sets apart from nats-py's defaults is compared."""
+class StreamLaidOutUnlike(ConfiguredUnlike):
+    """A service logged in as its NATS user found a stream unlike its version's layout, which only the admin updates."""
+
+
+_DURATIONS = ("max_age", "duplicate_window")
+
+
+def _settings_unlike(existing: StreamConfig, wanted: StreamConfig) -> list[str]:
+    """The settings the layout gives a stream that it does not have. The server fills in the others (a duplicate
+    window left at 0, metadata of its own): only what the layout sets apart from nats-py's defaults is compared,
+    durations to the millisecond (a fraction of a second comes back from the server off by a nanosecond)."""
     current = existing.as_dict()
     chosen = {f.name for f in dataclasses.fields(wanted) if getattr(wanted, f.name) != f.default}
+    unlike = []
     for key, value in wanted.as_dict().items():
         if key not in chosen:
             continue
         if key == "metadata":
-            if not value.items() <= (current.get(key) or {}).items():
-                return False
-        elif current.get(key) != value:
-            return False
-    return True
+            same = value.items() <= (current.get(key) or {}).items()
+        elif key in _DURATIONS:
+            same = current.get(key) is not None and abs(current[key] - value) < 1_000_000
+        else:
+            same = current.get(key) == value
+        if not same:
+            unlike.append(key)
+    return unlike
 
 
 async def check_partitions(js: JetStreamContext, settings: Settings) -> None:

@@ -126,22 +126,29 @@ class _ServiceClient(NatsClient):
         await super().drain()
 
 
+LOGIN_REFUSED_FOR_S = 10.0
+"""How long a starting service is refused its login before it stops: a node restarted with a new password refuses
+until the service's own is renewed, and a service on one address (a Kubernetes Service) reaches a random node."""
+
+
 async def _connect_service(servers: list[str], name: str, settings: Settings | None) -> NatsClient:
-    """Waits for a bus that is down, but not for long on a login it refuses: once every server was tried twice and
-    each attempt refused, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. One node of a
-    cluster that refuses while the others accept (a password rotated node by node) is not the end; once connected,
-    a refusal on a reconnect is waited out like an outage."""
+    """Waits for a bus that is down, but not on a login it refuses: refused for LOGIN_REFUSED_FOR_S, and at least
+    twice per server named, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. A node that
+    refuses while others accept (a password rotated node by node) is not the end: the service connects to another.
+    Once connected, a refusal on a reconnect is waited out like an outage."""
     nc = _ServiceClient()
-    refusals_to_stop = 2 * len(servers)
+    loop = asyncio.get_running_loop()
     refusals = 0
-    refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    first_refusal = 0.0
+    refused: asyncio.Future[None] = loop.create_future()
     connected = False
 
     async def on_error(error: Exception) -> None:
-        nonlocal refusals
+        nonlocal refusals, first_refusal
         if not connected and refused_login(error):
-            refusals += 1
-            if refusals >= refusals_to_stop and not refused.done():
+            refusals, first_refusal = refusals + 1, first_refusal or loop.time()
+            if (refusals >= 2 * len(servers) and loop.time() - first_refusal >= LOGIN_REFUSED_FOR_S
+                    and not refused.done()):
                 refused.set_result(None)
         await report_connection_error(error)
 

@@ -118,6 +118,21 @@ async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place
             await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60))
             assert sorted(updated) == sorted([bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM])
             assert (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 60
+            # A window of a fraction of a second comes back off by a nanosecond: still the same layout.
+            fractional = Settings(memories_partitions=2, memories_duplicate_window_s=2.106)
+            await bus.ensure_layout(js, fractional)
+            updated.clear()
+            await bus.ensure_layout(js, fractional)
+            assert updated == []
+            # Logged in as a service's user, which may not update a stream: it says what to run, in one line.
+            deployed = Settings(memories_partitions=2, memories_duplicate_window_s=90, nats_user="memories-writer")
+            with pytest.raises(bus.StreamLaidOutUnlike, match="MEMORY_WRITES is laid out unlike this version "
+                               r"\(duplicate_window\): run this version's `memories bus init`"):
+                await bus.ensure_layout(js, deployed)
+            assert updated == []
+            # `memories bus init` lays every stream out as its version has it, changed or not.
+            await bus.ensure_layout(js, deployed, sets_partitions=True)
+            assert len(updated) == 4 and (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 90
         finally:
             await nc.close()
 
