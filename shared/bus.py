@@ -233,16 +233,30 @@ class PartitionCountMismatch(ConfiguredUnlike):
     writer consumes, or a memory's writes on two partitions (out of order)."""
 
 
+def consumes(role: str, stream: str, durable: str) -> bool:
+    """Whether the service of this role (`api`, `writer`, `extractor`) consumes this durable consumer: it alone lays
+    it out and pulls from it (shared.bus_permissions gives it the right to, and no other service)."""
+    if role == "writer":
+        return stream == WRITES_STREAM or durable in (WRITER_GENERATION_DELETIONS, WRITER_CONVERSATION_DELETIONS)
+    return role == "extractor" and durable == EXTRACTOR_DURABLE
+
+
 async def ensure_layout(
-    js: JetStreamContext, settings: Settings, attempts: int = 5, *, sets_partitions: bool = False
+    js: JetStreamContext,
+    settings: Settings,
+    attempts: int = 5,
+    *,
+    sets_partitions: bool = False,
+    consumers_of: str | None = None,
 ) -> None:
     """Apply the layout; retried, because services starting together on a cluster race to apply it and a
     stream's leader may still be in election. Only `memories bus init` (`sets_partitions`) changes the partition
     count the bus was laid out for (a service configured for another one raises PartitionCountMismatch) and
-    updates every stream; a service updates one only if it is unlike its version and no NATS user is configured."""
+    updates every stream; a service updates one only if it is unlike its version and no NATS user is configured.
+    A service (`consumers_of`: its role) applies the streams and its own consumers only."""
     for attempt in range(1, attempts + 1):
         try:
-            await _apply_layout(js, settings, sets_partitions=sets_partitions)
+            await _apply_layout(js, settings, sets_partitions=sets_partitions, consumers_of=consumers_of)
             return
         except (TimeoutError, nats.errors.Error) as exc:
             if attempt == attempts:
@@ -251,7 +265,9 @@ async def ensure_layout(
             await asyncio.sleep(0.5 * attempt)
 
 
-async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
+async def _apply_layout(
+    js: JetStreamContext, settings: Settings, *, sets_partitions: bool, consumers_of: str | None
+) -> None:
     await _check_partitions(js, settings, sets_partitions=sets_partitions)
     plan = layout(settings)
     for stream in plan.streams:
@@ -273,7 +289,8 @@ async def _apply_layout(js: JetStreamContext, settings: Settings, *, sets_partit
             await js.update_stream(stream)
     for stream_name, consumers in plan.consumers.items():
         for consumer in consumers:
-            await _ensure_consumer(js, stream_name, consumer)
+            if consumers_of is None or consumes(consumers_of, stream_name, consumer.durable_name or ""):
+                await _ensure_consumer(js, stream_name, consumer)
 
 
 class StreamLaidOutUnlike(ConfiguredUnlike):

@@ -1,18 +1,19 @@
 """Who may do what on a deployed bus: one NATS user per service, allowed the subjects its code uses and no others.
 
-- Each user's replies come on inboxes of its own (`bus_connection.inbox_prefix`), which no other user may read: the messages a
-  consumer pulls, JetStream's answers, a write's outcome.
+- Each user's replies come on inboxes of its own (`bus_connection.inbox_prefix`), which no other user may read: the
+  messages a consumer pulls, JetStream's answers, a write's outcome.
 - A service may read and create the streams (every service applies the layout as it starts) but not change them,
-  and acknowledge only what its own consumers deliver. Deleting, purging or updating a stream, deleting a stored
-  message: that is the admin user's (`memories bus …`, `memories dlq …`, the init Job), which applies a changed
-  layout before the services of a new version start.
+  and lay out, pull from and acknowledge only the consumers it consumes (`bus.consumes`). Deleting, purging or
+  updating a stream, deleting a stored message: that is the admin user's (`memories bus …`, `memories dlq …`, the
+  init Job), which applies a changed layout before the services of a new version start.
 
-A leaked service password can still do what that service does: publish what it publishes, acknowledge what it
-consumes (a writer's: the queued writes, which removes them), and create, recreate or delete consumers (the
-layout's: consumption stalls until a service restarts and lays them out again). It cannot delete, purge or shrink
-a stream, delete a stored message, or read another user's replies. The subjects come from
-`shared.bus`, so a renamed subject changes the permissions with it: `memories nats-auth` renders them for the
-nats-server configuration of deploy/ (compose and the Helm chart), and a test runs every service under them.
+A leaked service password can still do what that service does: publish what it publishes, read and acknowledge what
+it consumes (a writer's: the queued writes, which acknowledging removes). It cannot read a stream another service
+consumes, delete, purge or shrink a stream, delete a stored message, or read another user's replies.
+
+The subjects come from `shared.bus`, so a renamed subject changes the permissions with it: `memories nats-auth`
+renders them for the nats-server configuration of deploy/ (compose and the Helm chart), and a test runs every
+service under them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import bus, bus_connection
+from shared.settings import Settings
 
 DEPLOY_NATS = Path(__file__).resolve().parents[1] / "deploy" / "nats"
 SERVER_CONFIG = DEPLOY_NATS / "auth.conf"
@@ -34,15 +36,36 @@ _STREAMS = (bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM, bus.DE
 _APPLIES_THE_LAYOUT = [
     # Streams read and created, not updated: a service checks that they are as its version lays them out.
     *(f"$JS.API.STREAM.{verb}.{stream}" for stream in _STREAMS for verb in ("INFO", "CREATE")),
-    # Consumers are created, recreated when a setting cannot change in place, read (lag metrics), pulled from,
-    # and a writer partition's pin given up.
-    "$JS.API.CONSUMER.>",
+    # Any consumer's state (the lag metrics, the partition count a bus was laid out for); nothing of its messages.
+    "$JS.API.CONSUMER.INFO.*.*",
+    "$JS.API.CONSUMER.LIST.*",
+    "$JS.API.CONSUMER.NAMES.*",
 ]
 
 
-def _acks(stream: str, *consumers: str) -> list[str]:
-    """Acknowledging, handing back and extending what these consumers deliver (`$JS.ACK.<stream>.<consumer>…`)."""
-    return [f"$JS.ACK.{stream}.{consumer}.>" for consumer in consumers]
+def _consumes(stream: str, durable: str) -> list[str]:
+    """A durable consumer of the service's own (`*`: every one of the stream): laid out (created, or recreated when
+    a setting cannot change in place), pulled from, a writer partition's pin given up, and what it delivers
+    acknowledged, handed back and extended. No other service may do any of it."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.API.CONSUMER.UNPIN.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
+def _consumers_of(role: str) -> list[str]:
+    """What `role` may do with the consumers it consumes (`bus.consumes`), every writer partition's as one."""
+    plan = bus.layout(Settings(memories_partitions=1))
+    owned = {
+        (stream, "*" if stream == bus.WRITES_STREAM else config.durable_name or "")
+        for stream, configs in plan.consumers.items()
+        for config in configs
+        if bus.consumes(role, stream, config.durable_name or "")
+    }
+    return [subject for stream, durable in sorted(owned) for subject in _consumes(stream, durable)]
 
 
 @dataclass(frozen=True)
@@ -91,8 +114,7 @@ USERS = (
         "writer",
         publishes=[
             *_APPLIES_THE_LAYOUT,
-            *_acks(bus.WRITES_STREAM, "*"),  # its partitions' consumers, writer-p<N>
-            *_acks(bus.GENERATIONS_STREAM, bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS),
+            *_consumers_of("writer"),
             f"{bus.EVENT_SUBJECT_ROOT}.>",
             f"{bus.DEAD_LETTER_ROOT}.writer",
             f"{API}.>",  # a write's outcome, to the process that published it
@@ -103,7 +125,7 @@ USERS = (
         "extractor",
         publishes=[
             *_APPLIES_THE_LAYOUT,
-            *_acks(bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE),
+            *_consumers_of("extractor"),
             f"{bus.WRITE_SUBJECT_ROOT}.>",
             f"{bus.EXTRACTION_COMPLETED_ROOT}.*",
             f"{bus.DEAD_LETTER_ROOT}.extractor",

@@ -91,7 +91,7 @@ class ConsumerProcess:
 
             install_scripts(self.settings.memories_scripted_llm)
         self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.name}", settings=self.settings)
-        await bus.ensure_layout(self.nc.jetstream(), self.settings)
+        await bus.ensure_layout(self.nc.jetstream(), self.settings, consumers_of=self.name)
         await self.prepare(self.nc)
         freeze_long_lived_objects()
         await self.broker.start()

@@ -137,6 +137,28 @@ async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place
             await nc.close()
 
 
+async def test_a_service_lays_out_only_the_consumers_it_consumes(tmp_path: Path) -> None:
+    # Its NATS user may manage no other (shared.bus_permissions); `memories bus init` lays out all of them.
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus_connection.connect(server.url, name="test-own-consumers")
+        try:
+            js = nc.jetstream()
+
+            async def consumers() -> set[str]:
+                return {info.name for stream in (bus.WRITES_STREAM, bus.GENERATIONS_STREAM)
+                        for info in await js.consumers_info(stream)}
+
+            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="api")
+            assert await consumers() == set()
+            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="extractor")
+            assert await consumers() == {bus.EXTRACTOR_DURABLE}
+            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="writer")
+            assert await consumers() == {bus.EXTRACTOR_DURABLE, "writer-p0", "writer-p1",
+                                         bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS}
+        finally:
+            await nc.close()
+
+
 async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bus_is_read_from_its_consumers(
     tmp_path: Path,
 ) -> None:

@@ -25,6 +25,7 @@ import nats.errors
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NatsClient
+from nats.js.api import ConsumerConfig
 
 from services.extractor.main import ExtractorService
 from services.writer.main import Writer
@@ -245,8 +246,12 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
         ):
             with pytest.raises(nats.errors.TimeoutError):  # the server drops the request, and says so in its log
                 await erase
-        # Nor may it acknowledge (and so remove from the work queue) what the writers consume.
+        # Nor may it acknowledge (and so remove from the work queue) what the writers consume, pull from a writer's
+        # consumer, or read a stream through a consumer of its own.
         await extractor.publish(f"$JS.ACK.{bus.WRITES_STREAM}.writer-p0.1.1.1.0.0", b"+ACK")
+        await extractor.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.writer-p0", b'{"batch": 1}')
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(bus.EVENTS_STREAM, ConsumerConfig(name="reader", durable_name="reader"))
         with pytest.raises(nats.errors.TimeoutError):
             await platform.jetstream(timeout=1).publish(bus.write_subject("mem_elsewhere", 4), b"{}")
         # No user reads another's inboxes: where the messages a consumer pulls, and the writes' outcomes, arrive.
@@ -266,6 +271,8 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
         ("memories-extractor", "$JS.API.STREAM.DELETE.GENERATIONS"),
         ("memories-extractor", "$JS.API.STREAM.UPDATE.DEAD_LETTERS"),
         ("memories-extractor", f"$JS.ACK.{bus.WRITES_STREAM}.writer-p0"),
+        ("memories-extractor", f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.writer-p0"),
+        ("memories-extractor", f"$JS.API.CONSUMER.CREATE.{bus.EVENTS_STREAM}.reader"),
         ("memories-platform", "memories.write."),
         ("memories-platform", "Subscription Violation - Subject \"_INBOX.>\""),
     ]:

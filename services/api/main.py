@@ -60,7 +60,7 @@ def create_app(settings: Settings) -> FastAPI:
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
         app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)  # /readyz's own
         nc = await bus_connection.connect(settings.nats_url, name="memories-api", settings=settings)
-        await bus.ensure_layout(nc.jetstream(), settings)
+        await bus.ensure_layout(nc.jetstream(), settings, consumers_of="api")
         sessions = session_factory(engine)
         gateway = WriteGateway(nc, sessions, settings.memories_partitions)
         await gateway.start()
