@@ -143,7 +143,10 @@ def asyncapi_document(version: str) -> dict[str, Any]:
             "description": "NATS JetStream subjects of the memory service. Payloads are JSON; every event "
             "carries event_id, version and occurred_at; fields are only ever added. A write event "
             "(MemoryWriteRequested) leaves its unset optional fields out, so a field added to it reaches readers "
-            "of an older version only when it is used. Times without a zone are read as UTC.",
+            "of an older version only when it is used. Times without a zone are read as UTC. As deployed "
+            "(deploy/), every client logs in as a NATS user allowed only its own subjects, and takes its replies "
+            "on its own inboxes, `_INBOX.<user>.`: an agent platform publishing turns and their deletions logs in "
+            "as memories-platform (docs/operations.md, \"The bus's users\").",
         },
         "defaultContentType": "application/json",
         "channels": channels,

@@ -246,17 +246,17 @@ async def ensure_layout(
     settings: Settings,
     attempts: int = 5,
     *,
-    sets_partitions: bool = False,
+    as_bus_init: bool = False,
     consumers_of: str | None = None,
 ) -> None:
     """Apply the layout; retried, because services starting together on a cluster race to apply it and a
-    stream's leader may still be in election. Only `memories bus init` (`sets_partitions`) changes the partition
+    stream's leader may still be in election. Only `memories bus init` (`as_bus_init`) changes the partition
     count the bus was laid out for (a service configured for another one raises PartitionCountMismatch) and
     updates every stream; a service updates one only if it is unlike its version and no NATS user is configured.
     A service (`consumers_of`: its role) applies the streams and its own consumers only."""
     for attempt in range(1, attempts + 1):
         try:
-            await _apply_layout(js, settings, sets_partitions=sets_partitions, consumers_of=consumers_of)
+            await _apply_layout(js, settings, as_bus_init=as_bus_init, consumers_of=consumers_of)
             return
         except (TimeoutError, nats.errors.Error) as exc:
             if attempt == attempts:
@@ -266,9 +266,9 @@ async def ensure_layout(
 
 
 async def _apply_layout(
-    js: JetStreamContext, settings: Settings, *, sets_partitions: bool, consumers_of: str | None
+    js: JetStreamContext, settings: Settings, *, as_bus_init: bool, consumers_of: str | None
 ) -> None:
-    await _check_partitions(js, settings, sets_partitions=sets_partitions)
+    await _check_partitions(js, settings, as_bus_init=as_bus_init)
     plan = layout(settings)
     for stream in plan.streams:
         try:
@@ -276,7 +276,7 @@ async def _apply_layout(
         except NotFoundError:
             await js.add_stream(stream)
             continue
-        if sets_partitions:  # `memories bus init`: the layout as this version has it, whatever the stream holds
+        if as_bus_init:  # `memories bus init`: the layout as this version has it, whatever the stream holds
             await js.update_stream(stream)
         elif unlike := _settings_unlike(existing.config, stream):
             if settings.nats_user:
@@ -323,16 +323,16 @@ def _settings_unlike(existing: StreamConfig, wanted: StreamConfig) -> list[str]:
 
 async def check_partitions(js: JetStreamContext, settings: Settings) -> None:
     """Raises PartitionCountMismatch unless the bus is laid out for MEMORIES_PARTITIONS (or not laid out yet)."""
-    await _check_partitions(js, settings, sets_partitions=False)
+    await _check_partitions(js, settings, as_bus_init=False)
 
 
-async def _check_partitions(js: JetStreamContext, settings: Settings, *, sets_partitions: bool) -> None:
+async def _check_partitions(js: JetStreamContext, settings: Settings, *, as_bus_init: bool) -> None:
     """A service starts only with the count the bus is laid out for; `memories bus init` changes it only once
     MEMORY_WRITES is drained (a queued write would land on a partition that changed, or on none)."""
     recorded = await recorded_partitions(js)
     if recorded in (None, settings.memories_partitions):
         return
-    if not sets_partitions:
+    if not as_bus_init:
         raise PartitionCountMismatch(
             f"MEMORIES_PARTITIONS is {settings.memories_partitions} here, but the bus is laid out for {recorded} "
             "partitions: configure every service alike, or change the count as docs/operations.md says"

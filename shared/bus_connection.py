@@ -88,8 +88,7 @@ async def connect(url: str, *, name: str, one_shot: bool = False, settings: Sett
         # A failed attempt to connect is reported by the caller, once; a refusal once connected is said at once,
         # or the command would only time out ("nats: timeout").
         if "permissions violation" in str(error).lower():
-            user = (settings.nats_user if settings else None) or "no user"
-            log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", user, error)
+            log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", _user_of(settings), error)
         errors.append(error)
 
     options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
@@ -183,10 +182,13 @@ def stop_this_process() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _user_of(settings: Settings | None) -> str:
+    return (settings.nats_user if settings else None) or "no user"
+
+
 def _login_refused(servers: list[str], settings: Settings | None) -> str:
-    user = (settings.nats_user if settings else None) or "no user"
     return (
-        f"NATS at {redacted_servers(','.join(servers))} refused the login ({user}): set NATS_USER and NATS_PASSWORD "
+        f"NATS at {redacted_servers(','.join(servers))} refused the login ({_user_of(settings)}): set NATS_USER and NATS_PASSWORD "
         "to a user of its configuration (deploy/nats/auth.conf)"
     )
 

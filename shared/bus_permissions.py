@@ -58,7 +58,7 @@ def _consumes(stream: str, durable: str) -> list[str]:
 
 def _consumers_of(role: str) -> list[str]:
     """What `role` may do with the consumers it consumes (`bus.consumes`), every writer partition's as one."""
-    plan = bus.layout(Settings(memories_partitions=1))
+    plan = bus.layout(Settings.model_construct(memories_partitions=1))  # the durables' names, not the environment
     owned = {
         (stream, "*" if stream == bus.WRITES_STREAM else config.durable_name or "")
         for stream, configs in plan.consumers.items()

@@ -28,6 +28,7 @@ def exit_at_once() -> None:
     logging.shutdown()
     os._exit(1)
 
+
 class ConsumerProcess:
     name = "consumer"
 
@@ -36,14 +37,18 @@ class ConsumerProcess:
         self.settings = settings
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
         login = bus_connection.login(settings)
+        options = bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers")
         self.broker = NatsBroker(
             settings.nats_url.split(","),
             graceful_timeout=graceful_timeout,
             logger=None,
             security=NatsUserPassword(login["user"], login["password"]) if login else None,
-            **bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers"),
             closed_cb=self._consumers_closed,
+            **options,
         )
+        # FastStream's subscribers take the default inbox prefix, not the connection's: the messages they pull come
+        # on the user's own inboxes only if told.
+        self._subscriber_inboxes = {"inbox_prefix": f"{options['inbox_prefix']}.".encode()} if "inbox_prefix" in options else {}
         self._stopping = False
         # A failed message is redelivered anyway: no pre-ping round trip on every checkout.
         self.engine: AsyncEngine = create_engine(settings.database_url, pool_size=pool_size, pre_ping=False)
@@ -64,9 +69,6 @@ class ConsumerProcess:
         fetched for the next free one, not yet kept in progress: past the ack wait JetStream hands it to another
         replica, and this one's later attempt finds it done (or asks its model again: the first facts saved are the
         ones written); a stop leaves it to the ack wait."""
-        # The messages it pulls come on the user's own inboxes, as every reply of this process does (FastStream's
-        # subscriber otherwise takes the default prefix, not the connection's).
-        user_inboxes = {"inbox_prefix": f"{bus_connection.inbox_prefix(self.settings.nats_user)}.".encode()} if self.settings.nats_user else {}
         return self.broker.subscriber(
             subject,
             stream=JStream(stream, declare=False),
@@ -75,7 +77,7 @@ class ConsumerProcess:
             max_workers=workers,
             ack_policy=AckPolicy.MANUAL,
             no_reply=True,
-            **user_inboxes,
+            **self._subscriber_inboxes,
         )
 
     async def prepare(self, nc: NatsClient) -> None:
