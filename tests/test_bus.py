@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import nats.errors
 import psycopg.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
@@ -70,6 +73,17 @@ def test_every_consumer_retries_an_outage_for_ever_and_anything_else_max_deliver
     assert bus.deliveries(SimpleNamespace(metadata=SimpleNamespace(num_delivered=3))) == 3  # type: ignore[arg-type]
 
 
+@asynccontextmanager
+async def connected_bus(tmp_path: Path, name: str) -> AsyncIterator[NatsClient]:
+    """A NATS server of the test's own, and a connection to it."""
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await bus_connection.connect(server.url, name=name)
+        try:
+            yield nc
+        finally:
+            await nc.close()
+
+
 def test_retry_delay_doubles_and_is_capped() -> None:
     assert [bus.retry_delay(0.5, n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
     assert bus.retry_delay(1.0, 50) == 30.0
@@ -77,131 +91,115 @@ def test_retry_delay_doubles_and_is_capped() -> None:
 
 async def test_a_service_configured_for_another_partition_count_than_the_bus_refuses_to_start(tmp_path: Path) -> None:
     # Its writes would land on partitions no writer consumes, or a memory's writes on two partitions.
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-partitions")
-        try:
-            js = nc.jetstream()
-            # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
-            with pytest.raises(bus.PartitionCountMismatch, match="not laid out yet"):
-                await bus_admin.prune_consumers(js, Settings(memories_partitions=8))
-            await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
-            await bus.ensure_layout(js, Settings(memories_partitions=8))
-            with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
-                await bus.ensure_layout(js, Settings(memories_partitions=4))
-            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)  # `memories bus init`
+    async with connected_bus(tmp_path, "test-partitions") as nc:
+        js = nc.jetstream()
+        # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
+        with pytest.raises(bus.PartitionCountMismatch, match="not laid out yet"):
+            await bus_admin.prune_consumers(js, Settings(memories_partitions=8))
+        await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
+        await bus.ensure_layout(js, Settings(memories_partitions=8))
+        with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
             await bus.ensure_layout(js, Settings(memories_partitions=4))
-            info = await js.stream_info(bus.WRITES_STREAM)
-            assert (info.config.metadata or {})[bus.PARTITIONS_METADATA] == "4"
-        finally:
-            await nc.close()
+        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)  # `memories bus init`
+        await bus.ensure_layout(js, Settings(memories_partitions=4))
+        info = await js.stream_info(bus.WRITES_STREAM)
+        assert (info.config.metadata or {})[bus.PARTITIONS_METADATA] == "4"
 
 
 async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place_updates_no_stream(
     tmp_path: Path,
 ) -> None:
     # A deployed service's user may not update a stream: at each start it must find nothing to update.
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-layout")
-        try:
-            js = nc.jetstream()
-            await bus.ensure_layout(js, Settings(memories_partitions=2))
-            updated: list[str] = []
-            update_stream = js.update_stream
+    async with connected_bus(tmp_path, "test-layout") as nc:
+        js = nc.jetstream()
+        await bus.ensure_layout(js, Settings(memories_partitions=2))
+        updated: list[str] = []
+        update_stream = js.update_stream
 
-            async def recorded(config: StreamConfig, **options: Any) -> Any:
-                updated.append(config.name or "")
-                return await update_stream(config, **options)
+        async def recorded(config: StreamConfig, **options: Any) -> Any:
+            updated.append(config.name or "")
+            return await update_stream(config, **options)
 
-            js.update_stream = recorded  # type: ignore[method-assign]
-            await bus.ensure_layout(js, Settings(memories_partitions=2))
-            assert updated == []
-            await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60))
-            assert sorted(updated) == sorted([bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM])
-            assert (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 60
-            # A window of a fraction of a second comes back off by a nanosecond: still the same layout.
-            fractional = Settings(memories_partitions=2, memories_duplicate_window_s=2.106)
-            await bus.ensure_layout(js, fractional)
-            updated.clear()
-            await bus.ensure_layout(js, fractional)
-            assert updated == []
-            # Logged in as a service's user, which may not update a stream: it says what to run, in one line.
-            deployed = Settings(memories_partitions=2, memories_duplicate_window_s=90, nats_user="memories-writer")
-            with pytest.raises(bus.StreamLaidOutUnlike, match="MEMORY_WRITES is laid out unlike this version "
-                               r"\(duplicate_window\): run this version's `memories bus init`"):
-                await bus.ensure_layout(js, deployed)
-            assert updated == []
-            # `memories bus init` lays every stream out as its version has it, changed or not.
-            await bus.ensure_layout(js, deployed, sets_partitions=True)
-            assert len(updated) == 4 and (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 90
-        finally:
-            await nc.close()
+        js.update_stream = recorded  # type: ignore[method-assign]
+        await bus.ensure_layout(js, Settings(memories_partitions=2))
+        assert updated == []
+        await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60))
+        assert sorted(updated) == sorted([bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM])
+        assert (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 60
+        # A window of a fraction of a second comes back off by a nanosecond: still the same layout.
+        fractional = Settings(memories_partitions=2, memories_duplicate_window_s=2.106)
+        await bus.ensure_layout(js, fractional)
+        updated.clear()
+        await bus.ensure_layout(js, fractional)
+        assert updated == []
+        # Logged in as a service's user, which may not update a stream: it says what to run, in one line.
+        deployed = Settings(memories_partitions=2, memories_duplicate_window_s=90, nats_user="memories-writer")
+        with pytest.raises(bus.StreamLaidOutUnlike, match="MEMORY_WRITES is laid out unlike this version "
+                           r"\(duplicate_window\): run this version's `memories bus init`"):
+            await bus.ensure_layout(js, deployed)
+        assert updated == []
+        # `memories bus init` lays every stream out as its version has it, changed or not.
+        await bus.ensure_layout(js, deployed, as_bus_init=True)
+        assert len(updated) == 4 and (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 90
 
 
 async def test_a_service_lays_out_only_the_consumers_it_consumes(tmp_path: Path) -> None:
     # Its NATS user may manage no other (shared.bus_permissions); `memories bus init` lays out all of them.
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-own-consumers")
-        try:
-            js = nc.jetstream()
+    async with connected_bus(tmp_path, "test-own-consumers") as nc:
+        js = nc.jetstream()
 
-            async def consumers() -> set[str]:
-                return {info.name for stream in (bus.WRITES_STREAM, bus.GENERATIONS_STREAM)
-                        for info in await js.consumers_info(stream)}
+        async def consumers() -> set[str]:
+            return {info.name for stream in (bus.WRITES_STREAM, bus.GENERATIONS_STREAM)
+                    for info in await js.consumers_info(stream)}
 
-            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="api")
-            assert await consumers() == set()
-            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="extractor")
-            assert await consumers() == {bus.EXTRACTOR_DURABLE}
-            await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="writer")
-            assert await consumers() == {bus.EXTRACTOR_DURABLE, "writer-p0", "writer-p1",
-                                         bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS}
-        finally:
-            await nc.close()
+        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="api")
+        assert await consumers() == set()
+        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="extractor")
+        assert await consumers() == {bus.EXTRACTOR_DURABLE}
+        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="writer")
+        assert await consumers() == {bus.EXTRACTOR_DURABLE, "writer-p0", "writer-p1",
+                                     bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS}
 
 
 async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bus_is_read_from_its_consumers(
     tmp_path: Path,
 ) -> None:
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-partitions")
-        try:
-            js = nc.jetstream()
-            # Laid out by a version that did not record the count: read from its writer partition consumers.
-            await js.add_stream(StreamConfig(name=bus.WRITES_STREAM, subjects=[f"{bus.WRITE_SUBJECT_ROOT}.>"],
-                                             retention=RetentionPolicy.WORK_QUEUE))
-            for partition in range(6):
-                await js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
-                    durable_name=bus.writer_durable(partition), filter_subject=bus.partition_filter(partition)))
-            assert await bus.recorded_partitions(js) == 6
-            with pytest.raises(bus.PartitionCountMismatch):
-                await bus.ensure_layout(js, Settings(memories_partitions=8))
-            await bus.ensure_layout(js, Settings(memories_partitions=6))
-            # Their writer consumers are updated in place: served to one writer replica at a time.
-            for partition in range(6):
-                reply = await nc.request(f"$JS.API.CONSUMER.INFO.{bus.WRITES_STREAM}.{bus.writer_durable(partition)}", b"")
-                config = json.loads(reply.data)["config"]
-                assert (config["priority_policy"], config["priority_groups"]) == ("pinned_client", [bus.WRITERS_GROUP])
-            # A write still queued: the count may not change under it, not even by `memories bus init`.
-            await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.3.mem_queued", b"{}", stream=bus.WRITES_STREAM)
-            with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):
-                await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
-            await js.purge_stream(bus.WRITES_STREAM)
-            # Drained for a moment, with a writer still pulling: its publishers may be running too, and what they
-            # publish next would land on a partition of the old count, beyond the new one.
-            pull = {"batch": 1, "expires": 1_000_000_000, "group": bus.WRITERS_GROUP}
-            puller = await nc.subscribe(nc.new_inbox())  # a pull whose reply subject no one hears is dropped
-            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.{bus.writer_durable(5)}",
-                             json.dumps(pull).encode(), reply=puller.subject)
-            await nc.flush()
-            with pytest.raises(bus.PartitionCountMismatch, match=r"writers still consume \(writer-p5\)"):
-                await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
-            async with asyncio.timeout(15):  # until the pull expired: no writer consumes
-                while (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(5))).num_waiting:
-                    await asyncio.sleep(0.1)
-            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
-            assert await bus.recorded_partitions(js) == 4
-        finally:
-            await nc.close()
+    async with connected_bus(tmp_path, "test-partitions") as nc:
+        js = nc.jetstream()
+        # Laid out by a version that did not record the count: read from its writer partition consumers.
+        await js.add_stream(StreamConfig(name=bus.WRITES_STREAM, subjects=[f"{bus.WRITE_SUBJECT_ROOT}.>"],
+                                         retention=RetentionPolicy.WORK_QUEUE))
+        for partition in range(6):
+            await js.add_consumer(bus.WRITES_STREAM, ConsumerConfig(
+                durable_name=bus.writer_durable(partition), filter_subject=bus.partition_filter(partition)))
+        assert await bus.recorded_partitions(js) == 6
+        with pytest.raises(bus.PartitionCountMismatch):
+            await bus.ensure_layout(js, Settings(memories_partitions=8))
+        await bus.ensure_layout(js, Settings(memories_partitions=6))
+        # Their writer consumers are updated in place: served to one writer replica at a time.
+        for partition in range(6):
+            reply = await nc.request(f"$JS.API.CONSUMER.INFO.{bus.WRITES_STREAM}.{bus.writer_durable(partition)}", b"")
+            config = json.loads(reply.data)["config"]
+            assert (config["priority_policy"], config["priority_groups"]) == ("pinned_client", [bus.WRITERS_GROUP])
+        # A write still queued: the count may not change under it, not even by `memories bus init`.
+        await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.3.mem_queued", b"{}", stream=bus.WRITES_STREAM)
+        with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):
+            await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        await js.purge_stream(bus.WRITES_STREAM)
+        # Drained for a moment, with a writer still pulling: its publishers may be running too, and what they
+        # publish next would land on a partition of the old count, beyond the new one.
+        pull = {"batch": 1, "expires": 1_000_000_000, "group": bus.WRITERS_GROUP}
+        puller = await nc.subscribe(nc.new_inbox())  # a pull whose reply subject no one hears is dropped
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.{bus.writer_durable(5)}",
+                         json.dumps(pull).encode(), reply=puller.subject)
+        await nc.flush()
+        with pytest.raises(bus.PartitionCountMismatch, match=r"writers still consume \(writer-p5\)"):
+            await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        async with asyncio.timeout(15):  # until the pull expired: no writer consumes
+            while (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(5))).num_waiting:
+                await asyncio.sleep(0.1)
+        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        assert await bus.recorded_partitions(js) == 4
 
 
 @pytest.mark.parametrize("url", ["nats://admin:S3cretNatsPw@127.0.0.1:1", "admin:S3cretNatsPw@127.0.0.1:1"])
@@ -285,67 +283,59 @@ def _memory_on(partition: int, partitions: int, prefix: str) -> str:
 async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys_partition(tmp_path: Path) -> None:
     # A publisher left on the old count after it was lowered from 8 to 4 (docs/operations.md): its writes land on
     # partitions no writer of the new count takes, and stayed there (each caller was told 202).
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-reroute")
-        try:
-            js = nc.jetstream()
-            await bus.ensure_layout(js, Settings(memories_partitions=8))
-            await bus.ensure_layout(js, Settings(memories_partitions=4), sets_partitions=True)
-            kept, orphaned, consumed = _memory_on(6, 8, "k"), _memory_on(7, 8, "o"), _memory_on(5, 8, "c")
-            for memory_id, body in ((kept, b"first"), (kept, b"second"), (consumed, b"taken")):
-                await js.publish(bus.write_subject(memory_id, 8), body, stream=bus.WRITES_STREAM)
-            assert (await bus_admin.prune_consumers(js, Settings(memories_partitions=4)))[1] == ["writer-p5", "writer-p6"]
-            await js.publish(bus.write_subject(orphaned, 8), b"orphan", stream=bus.WRITES_STREAM)  # no consumer left
-            # A writer of the old count still consumes partition 5: it has its write in hand, and decides it.
-            old_writer = await nc.subscribe(nc.new_inbox())
-            pull = {"batch": 1, "expires": 30_000_000_000, "group": bus.WRITERS_GROUP}
-            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.writer-p5", json.dumps(pull).encode(),
-                             reply=old_writer.subject)
-            assert (await old_writer.next_msg(timeout=5)).data == b"taken"
+    async with connected_bus(tmp_path, "test-reroute") as nc:
+        js = nc.jetstream()
+        await bus.ensure_layout(js, Settings(memories_partitions=8))
+        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        kept, orphaned, consumed = _memory_on(6, 8, "k"), _memory_on(7, 8, "o"), _memory_on(5, 8, "c")
+        for memory_id, body in ((kept, b"first"), (kept, b"second"), (consumed, b"taken")):
+            await js.publish(bus.write_subject(memory_id, 8), body, stream=bus.WRITES_STREAM)
+        assert (await bus_admin.prune_consumers(js, Settings(memories_partitions=4)))[1] == ["writer-p5", "writer-p6"]
+        await js.publish(bus.write_subject(orphaned, 8), b"orphan", stream=bus.WRITES_STREAM)  # no consumer left
+        # A writer of the old count still consumes partition 5: it has its write in hand, and decides it.
+        old_writer = await nc.subscribe(nc.new_inbox())
+        pull = {"batch": 1, "expires": 30_000_000_000, "group": bus.WRITERS_GROUP}
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{bus.WRITES_STREAM}.writer-p5", json.dumps(pull).encode(),
+                         reply=old_writer.subject)
+        assert (await old_writer.next_msg(timeout=5)).data == b"taken"
 
-            # `bus status` says them, the orphan too, which no consumer shows (it showed only "4 writes queued").
-            assert (await bus_admin.bus_status(js, Settings(memories_partitions=4))).stranded_writes == 4
-            with pytest.raises(bus.PartitionCountMismatch, match="reroute with MEMORIES_PARTITIONS=4"):
-                await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=8))
-            moved, left = await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4))
-            assert (moved, left) == (3, ["writer-p5"])
+        # `bus status` says them, the orphan too, which no consumer shows (it showed only "4 writes queued").
+        assert (await bus_admin.bus_status(js, Settings(memories_partitions=4))).stranded_writes == 4
+        with pytest.raises(bus.PartitionCountMismatch, match="reroute with MEMORIES_PARTITIONS=4"):
+            await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=8))
+        moved, left = await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4))
+        assert (moved, left) == (3, ["writer-p5"])
 
-            async def bodies(subject: str) -> list[bytes]:
-                found, sequence = [], 1
-                while True:
-                    try:
-                        message = await js.get_msg(bus.WRITES_STREAM, seq=sequence, subject=subject, next=True)
-                    except nats.js.errors.NotFoundError:
-                        return found
-                    found.append(message.data)
-                    sequence = (message.seq or 0) + 1
+        async def bodies(subject: str) -> list[bytes]:
+            found, sequence = [], 1
+            while True:
+                try:
+                    message = await js.get_msg(bus.WRITES_STREAM, seq=sequence, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    return found
+                found.append(message.data)
+                sequence = (message.seq or 0) + 1
 
-            assert await bodies(bus.write_subject(kept, 4)) == [b"first", b"second"]  # in their order
-            assert await bodies(bus.write_subject(orphaned, 4)) == [b"orphan"]
-            assert await bodies(bus.write_subject(kept, 8)) == await bodies(bus.write_subject(orphaned, 8)) == []
-            assert await bodies(bus.write_subject(consumed, 8)) == [b"taken"]  # its writer's to decide
-            # Nothing stranded is left: a second run moves nothing.
-            assert await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
-        finally:
-            await nc.close()
+        assert await bodies(bus.write_subject(kept, 4)) == [b"first", b"second"]  # in their order
+        assert await bodies(bus.write_subject(orphaned, 4)) == [b"orphan"]
+        assert await bodies(bus.write_subject(kept, 8)) == await bodies(bus.write_subject(orphaned, 8)) == []
+        assert await bodies(bus.write_subject(consumed, 8)) == [b"taken"]  # its writer's to decide
+        # Nothing stranded is left: a second run moves nothing.
+        assert await bus_admin.reroute_stranded_writes(js, Settings(memories_partitions=4)) == (0, ["writer-p5"])
 
 
 async def test_a_publish_jetstream_answers_with_an_error_is_known_not_stored(tmp_path: Path) -> None:
     # Every failure counted as "sent, may still be applied" (a 503 that said so, with a write id to look up), even
     # when JetStream had answered that it stored nothing.
-    with EmbeddedNats(tmp_path / "nats") as server:
-        nc = await bus_connection.connect(server.url, name="test-refused")
-        try:
-            await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2))
-            with pytest.raises(bus.BusUnavailable) as refused:  # the subject is not the named stream's
-                await bus.publish_or_refuse(nc, bus.write_subject("mem_x", 2), b"{}", stream=bus.EVENTS_STREAM,
-                                            msg_id="w1")
-            assert not refused.value.sent
-            with pytest.raises(bus.BusUnavailable) as unheard:  # no stream takes the subject at all
-                await bus.publish_or_refuse(nc, "nowhere.at.all", b"{}", stream=bus.WRITES_STREAM, msg_id="w2")
-            assert not unheard.value.sent
-        finally:
-            await nc.close()
+    async with connected_bus(tmp_path, "test-refused") as nc:
+        await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2))
+        with pytest.raises(bus.BusUnavailable) as refused:  # the subject is not the named stream's
+            await bus.publish_or_refuse(nc, bus.write_subject("mem_x", 2), b"{}", stream=bus.EVENTS_STREAM,
+                                        msg_id="w1")
+        assert not refused.value.sent
+        with pytest.raises(bus.BusUnavailable) as unheard:  # no stream takes the subject at all
+            await bus.publish_or_refuse(nc, "nowhere.at.all", b"{}", stream=bus.WRITES_STREAM, msg_id="w2")
+        assert not unheard.value.sent
 
 
 async def test_a_services_consumers_wait_out_an_outage_as_long_as_its_own_connection(writers: list[Any]) -> None:

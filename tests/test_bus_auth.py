@@ -311,6 +311,7 @@ def test_a_service_whose_consumers_connection_is_closed_for_good_exits_at_once(
     exits: list[bool] = []
     monkeypatch.setattr(consumer_process, "exit_at_once", lambda: exits.append(True))
     writer = Writer(settings)
+    assert writer.broker._connection_kwargs["closed_cb"] == writer._consumers_closed  # what FastStream's client calls
     asyncio.run(writer._consumers_closed())
     assert exits == [True]
     writer._stopping = True  # closed by its own stop: nothing to say
