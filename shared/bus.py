@@ -525,5 +525,10 @@ async def announce_entry_change(js: JetStreamContext, change: MemoryEntryChanged
             stream=EVENTS_STREAM,
             headers={"Nats-Msg-Id": msg_id},
         )
-    except Exception:
-        log.exception("could not publish change event", extra={"change": change.kind.value})
+    except Exception as exc:
+        if not is_outage(exc):
+            log.exception("could not publish change event", extra={"change": change.kind.value})
+            return
+        # The client keeps it in its buffer across a reconnect: it is likely sent once the bus is back.
+        log.warning("change event not acknowledged while NATS is away (%s): sent once reconnected, if the client's "
+                    "buffer holds it", str(exc) or type(exc).__name__, extra={"change": change.kind.value})

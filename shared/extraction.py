@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import registry
+from shared import metrics, registry
 from shared import repository as repo
 from shared.agents import ExtractionConfig, KnowledgeConfig
 from shared.context import without_reference_context
@@ -246,7 +246,7 @@ class Extractor:
             try:
                 asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
             except PromptTooLong as exc:  # asked again, it would fail again, every delivery, and cost each time
-                reason = f"the turn does not fit the model's context window: {exc}"
+                reason = f"{metrics.PROMPT_TOO_LONG}: {exc}"
                 return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
             async with self._sessions.begin() as session:
                 # Another extraction of this turn may have saved its answer first: that one is written; or finished

@@ -197,12 +197,16 @@ _TURN_GATE_REASONS = frozenset(
 )
 
 
+PROMPT_TOO_LONG = "the turn does not fit the model's context window"
+"""How the stored reason of a turn skipped as too long for every model begins (shared.extraction)."""
+
+
 def extraction_skip_label(reason: str | None) -> str:
     """The `reason` label of a skipped turn, from the free-text reason the extractor stores.
 
     Stored reasons can embed a client's status string or a provider's id; a label must not (each value is
     a series forever). The gate's own reasons (shared.extraction.gate) pass through; the rest are grouped:
-    `turn_not_completed`, `unknown_memory`, `no_model` (shared.providers.ResolutionError), `other`.
+    `turn_not_completed`, `unknown_memory`, `prompt_too_long`, `no_model` (shared.providers.ResolutionError), `other`.
     """
     if reason is None:
         return "other"
@@ -212,6 +216,8 @@ def extraction_skip_label(reason: str | None) -> str:
         return "turn_not_completed"
     if reason.startswith("write_memory_id"):
         return "unknown_memory"
+    if reason.startswith(PROMPT_TOO_LONG):  # before `no_model`: it names the model too, and needs no configuration
+        return "prompt_too_long"
     if "model" in reason or "provider" in reason:
         return "no_model"
     return "other"
@@ -221,7 +227,7 @@ def observe_extraction_skip(reason: str | None) -> None:
     EXTRACTION_SKIPS.labels(extraction_skip_label(reason)).inc()
 
 
-for _reason in (*_TURN_GATE_REASONS, "turn_not_completed", "unknown_memory", "no_model", "other"):
+for _reason in (*_TURN_GATE_REASONS, "turn_not_completed", "unknown_memory", "prompt_too_long", "no_model", "other"):
     EXTRACTION_SKIPS.labels(_reason)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -346,3 +347,27 @@ async def test_a_services_consumers_wait_out_an_outage_as_long_as_its_own_connec
         assert consumers["max_reconnect_attempts"] == own["max_reconnect_attempts"] == -1
         for option in ("reconnect_time_wait", "ping_interval", "max_outstanding_pings"):
             assert consumers[option] == own[option], option
+
+
+async def test_a_change_event_the_bus_does_not_acknowledge_while_away_is_one_warning_not_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The client keeps it buffered across the reconnect: "could not publish" with a trace, once per edit, was wrong.
+    from shared.events import EntryChangeKind, MemoryEntryChanged
+
+    class Away:
+        async def publish(self, *_args: Any, **_options: Any) -> None:
+            raise nats.errors.TimeoutError
+
+    class Broken:
+        async def publish(self, *_args: Any, **_options: Any) -> None:
+            raise ValueError("a bug")
+
+    change = MemoryEntryChanged(event_id="evt_c", project_id="proj_c", memory_id="mem_c", entry_id="ent_c",
+                                kind=EntryChangeKind.UPDATED)
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        await bus.announce_entry_change(Away(), change, msg_id="m1")  # type: ignore[arg-type]
+        assert [(r.levelno, r.exc_info) for r in caplog.records] == [(logging.WARNING, None)]
+        caplog.clear()
+        await bus.announce_entry_change(Broken(), change, msg_id="m2")  # type: ignore[arg-type]
+        assert [r.levelno for r in caplog.records] == [logging.ERROR] and caplog.records[0].exc_info

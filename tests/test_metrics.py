@@ -493,6 +493,8 @@ def test_skip_reasons_become_a_bounded_label_set() -> None:
         resolution_reason(GenerationAgent(model_route_id="route_gone")): "no_model",
         resolution_reason(GenerationAgent(ai_provider_id="prov_gone")): "no_model",
         "write_memory_id names no memory of this project": "unknown_memory",
+        # It names the model too, yet no configuration is missing (it counted as `no_model`).
+        f"{metrics.PROMPT_TOO_LONG}: 9000 tokens, the model takes 4096": "prompt_too_long",
         "something new": "other",
     }
     assert {reason: metrics.extraction_skip_label(reason) for reason in labels} == labels
