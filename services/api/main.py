@@ -58,8 +58,9 @@ def create_app(settings: Settings) -> FastAPI:
         # A request waits for a memory's lock (a writer deciding, maybe with a slow model) no longer than for a
         # write, and is then told to retry: a 503, not a connection held for minutes.
         engine = create_engine(settings.database_url, pre_ping=False, lock_timeout_s=settings.memories_write_timeout_s)
-        # /readyz's own; no ping before its one statement (a dropped connection fails one probe, and is replaced)
-        app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0, pre_ping=False)
+        # /readyz's own. It pings before its statement: without, the first probe after a database restart failed on
+        # the connection the restart had dropped (the suite's fault tests caught it), a flap of readiness for nothing.
+        app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)
         nc = await bus_connection.connect(settings.nats_url, name="memories-api", settings=settings)
         await bus.ensure_layout(nc.jetstream(), settings, consumers_of="api")
         sessions = session_factory(engine)
