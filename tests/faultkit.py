@@ -218,7 +218,7 @@ class Load:
     statuses: Counter[int] = field(default_factory=Counter)
     timeline: list[tuple[float, int]] = field(default_factory=list)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
-    transport_errors: int = 0
+    transport_errors: list[str] = field(default_factory=list)  # each one's type, message and moment, to tell them apart
     unexpected: list[str] = field(default_factory=list)
     samples: dict[int, dict[str, Any]] = field(default_factory=dict)  # the first body of each status
 
@@ -268,8 +268,8 @@ async def drive(system: System, writes: list[Write], load: Load, *, concurrency:
         while time.monotonic() < deadline:
             try:
                 response = await client.post("/memory-entries", json=body, headers={"Idempotency-Key": write.key})
-            except httpx.TransportError:
-                load.transport_errors += 1
+            except httpx.TransportError as error:
+                load.transport_errors.append(f"{type(error).__name__} at {time.monotonic():.1f}: {error!r}")
                 await asyncio.sleep(0.3)
                 continue
             load.statuses[response.status_code] += 1
@@ -302,7 +302,7 @@ async def assert_applied_exactly_once(system: System, project_id: str, writes: l
     """The calm run's table, one decision and one history record per write, nothing parked or queued."""
     assert not load.unexpected, load.unexpected[:5]
     assert load.statuses[500] == 0
-    assert load.transport_errors == 0, "the API dropped connections (an error after the response started?)"
+    assert not load.transport_errors, f"the API dropped connections (an error after the response started?): {load.transport_errors}"
     assert set(load.results) == {w.key for w in writes}
     distinct = {(w.memory_id, w.content) for w in writes}
     actions = Counter(result["action"] for result in load.results.values())

@@ -38,7 +38,7 @@ def report(name: str, load: Load, started: float, **facts: object) -> None:
     """One line per run, shown with -s; the numbers of docs/reliability.md come from it."""
     details = " ".join(f"{key}={value}" for key, value in facts.items())
     print(f"\n[{name}] {time.monotonic() - started:.1f}s statuses={dict(load.statuses)} "
-          f"longest_stall={load.longest_stall():.1f}s transport_errors={load.transport_errors} {details}")
+          f"longest_stall={load.longest_stall():.1f}s transport_errors={len(load.transport_errors)} {details}")
 
 
 @pytest_asyncio.fixture(scope="module")
