@@ -90,6 +90,7 @@ def _ports_taken(host: str, api_port: int, metrics_ports: dict[str, int]) -> str
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.api.serving import stop_grace_s
     from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
     from shared.servers import (
@@ -156,9 +157,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         probes = [f"http://{env['MEMORIES_HOST']}:{port}/readyz" for port in (env["MEMORIES_PORT"], *metrics_ports.values())]
         return _supervise(children, _until_ready(probes, f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"))
     finally:
-        # uvicorn's own grace (the write timeout and 5 s), then the lifespan's shutdown: the change events on their
-        # way and the bus drained.
-        _stop_services(children, api_grace_s=settings.memories_write_timeout_s + 15)
+        _stop_services(children, api_grace_s=stop_grace_s(settings))
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
             noted_nats.unlink(missing_ok=True)
         for server in reversed(started):
@@ -368,8 +367,8 @@ def _missing_servers(settings: Settings, command: str, *, bus: bool = True) -> b
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from services.api.limits import BoundedHeadHttpTools
     from services.api.main import create_app
+    from services.api.serving import server_config
 
     settings = get_settings()
     if _missing_servers(settings, "api"):
@@ -377,18 +376,10 @@ def cmd_api(args: argparse.Namespace) -> int:
     # uvicorn reports a failed start with the lifespan's traceback; servers configured otherwise are said in one line.
     if run_service(_configured_alike(settings)):
         return 1
-    uvicorn.run(
-        create_app(settings),
-        host=args.host or settings.memories_host,
-        port=args.port or settings.memories_port,
-        http=BoundedHeadHttpTools,
-        log_level="info",
-        access_log=False,
-        # A request in hand is let finish (a write waits up to the write timeout for its decision), then no longer.
-        timeout_graceful_shutdown=int(settings.memories_write_timeout_s) + 5,
-        log_config=None,  # uvicorn's lines go through our handlers (JSON outside a terminal)
-    )
-    return 0
+    host, port = args.host or settings.memories_host, args.port or settings.memories_port
+    server = uvicorn.Server(server_config(create_app(settings), settings, host=host, port=port, log_level="info"))
+    server.run()
+    return 0 if server.started else 3
 
 
 def cmd_writer(args: argparse.Namespace) -> int:

@@ -40,6 +40,11 @@ async def report_connection_error(error: Exception) -> None:
         log.error("NATS client error: %s", str(error) or type(error).__name__, exc_info=error)
 
 
+DRAIN_TIMEOUT_S = 5.0
+"""How long a stopping service waits for its subscriptions to finish the messages they hold (nats-py's default,
+30 s, outlasts the grace a container is given)."""
+
+
 def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any]:
     """How a service connects, for nats-py and for FastStream's broker alike: it retries the bus for as long as it is
     down (FastStream's own default gives up after ~2 minutes, and its consumers with it), and logs in as the NATS
@@ -53,6 +58,7 @@ def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any
         # ~45 s, not nats-py's default ~8 minutes (with 3 outstanding it took ~60 s, measured).
         "ping_interval": 15,
         "max_outstanding_pings": 2,
+        "drain_timeout": DRAIN_TIMEOUT_S,
         "error_cb": report_connection_error,
     }
     if settings is not None and settings.nats_user:

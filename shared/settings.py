@@ -43,6 +43,14 @@ class Settings(BaseSettings):
         le=WRITE_TIMEOUT_MAX_S,
         description="wait for the writer before a 202 (at most 20 s: a claim older than 30 s is taken over by a retry)",
     )
+    memories_keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        le=3600,
+        description="how long the API keeps an idle client connection open; longer than the idle timeout of any load "
+        "balancer or client pool in front of it (60 s on an AWS ALB, 5 s in httpx), or it closes a connection the "
+        "other side is reusing at that moment and the request fails",
+    )
     memories_api_key_cache_s: float = Field(
         default=10.0,
         ge=0,

@@ -7,8 +7,10 @@ import contextlib
 import inspect
 import json
 import logging
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,6 +31,7 @@ from services.api import errors
 from services.api.limits import MAX_HEAD_BYTES, UNPARSED, BoundedHeadHttpTools
 from services.api.main import create_app
 from services.api.observed import UNMATCHED
+from services.api.serving import server_config
 from shared import metrics
 from shared import repository as repo
 from shared.servers import LOOPBACK, free_port
@@ -147,6 +150,41 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
         assert answered.count(b"HTTP/1.1 200 OK") == 2, answered[:300]
 
 
+def test_the_api_keeps_an_idle_connection_longer_than_the_clients_in_front_of_it() -> None:
+    # uvicorn's default, 5 s, is httpx's pool expiry: a request sent on a connection as the API closed it failed.
+    assert Settings().memories_keep_alive_s > max(httpx.Limits().keepalive_expiry or 0, 60)
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_setting() -> None:
+    app = FastAPI()
+
+    @app.get("/ok")
+    async def ok() -> dict[str, bool]:
+        return {"ok": True}
+
+    def idle_then_reused(port: int) -> bytes:
+        """The second answer on one connection left idle 1.5 s after the first; b"" if the API had closed it."""
+        request = b"GET /ok HTTP/1.1\r\nhost: x\r\n\r\n"
+        with socket.create_connection((LOOPBACK, port), timeout=5) as connection:
+            connection.sendall(request)
+            answered = b""
+            while not answered.endswith(b'{"ok":true}'):
+                answered += connection.recv(65536)
+            time.sleep(1.5)
+            connection.settimeout(0.1)
+            with contextlib.suppress(TimeoutError):
+                if connection.recv(1) == b"":
+                    return b""
+            connection.settimeout(5)
+            connection.sendall(request)
+            return connection.recv(65536)
+
+    for keep_alive, reused in ((1, False), (3, True)):
+        async with served(app, BoundedHeadHttpTools, Settings(memories_keep_alive_s=keep_alive)) as port:
+            answer = await asyncio.to_thread(idle_then_reused, port)
+            assert answer.startswith(b"HTTP/1.1 200 ") == reused, (keep_alive, answer)
+
+
 class QuickHeadTimeout(BoundedHeadHttpTools):
     head_timeout_s = 0.5
     body_timeout_s = 0.5
@@ -248,10 +286,11 @@ async def test_a_client_gone_before_its_body_arrived_is_a_400_not_an_unhandled_e
 
 
 @asynccontextmanager
-async def served(app: FastAPI, http: type[BoundedHeadHttpTools]) -> AsyncIterator[int]:
-    """`app` behind uvicorn with the API's HTTP protocol (or a variant of it), on a free port, until the block ends."""
+async def served(app: FastAPI, http: type[BoundedHeadHttpTools], settings: Settings | None = None) -> AsyncIterator[int]:
+    """`app` behind uvicorn as the API configures it (with a variant of its HTTP protocol), on a free port, until the
+    block ends."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, http=http, log_config=None))
+    server = uvicorn.Server(server_config(app, settings or Settings(), host=LOOPBACK, port=port, http=http))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)

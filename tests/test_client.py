@@ -16,7 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.api.threaded import serve_in_thread
+from services.api.serving import serve_in_thread
 from shared.client import (
     UNSET,
     AsyncMemoriesClient,

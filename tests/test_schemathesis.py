@@ -11,7 +11,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from services.api.main import create_app
-from services.api.threaded import serve_in_thread
+from services.api.serving import serve_in_thread
 from shared.settings import Settings
 from tests.conftest import ADMIN_TOKEN, make_settings
 

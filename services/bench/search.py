@@ -262,7 +262,7 @@ async def _filtered_rows(sessions: Any, project_id: str, filters: list[Knowledge
 
 @contextmanager
 def _api_server(settings: Settings) -> Iterator[str]:
-    from services.api.threaded import serve_in_thread
+    from services.api.serving import serve_in_thread
 
     with serve_in_thread(settings) as url:
         yield f"{url}/api/v1"
