@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 from typing import Any
 
 import nats
@@ -63,7 +64,20 @@ def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any
     }
     if settings is not None and settings.nats_user:
         options["inbox_prefix"] = inbox_prefix(settings.nats_user)
+    if (tls := tls_context(settings)) is not None:
+        options["tls"] = tls
     return options
+
+
+def tls_context(settings: Settings | None) -> ssl.SSLContext | None:
+    """How the servers' certificates are checked, and the certificate this process shows, when the settings name
+    either. None: nats-py's own default, the system's authorities, when a server asks for TLS."""
+    if settings is None or (settings.nats_tls_ca_file is None and settings.nats_tls_cert_file is None):
+        return None
+    context = ssl.create_default_context(cafile=settings.nats_tls_ca_file)
+    if settings.nats_tls_cert_file is not None:
+        context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
+    return context
 
 
 def inbox_prefix(user: str) -> str:
@@ -89,25 +103,63 @@ async def connect(url: str, *, name: str, one_shot: bool = False, settings: Sett
         return await _connect_service(servers, name, settings)
 
     errors: list[Exception] = []
+    tls_refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def quiet(error: Exception) -> None:
         # A failed attempt to connect is reported by the caller, once; a refusal once connected is said at once,
         # or the command would only time out ("nats: timeout").
         if "permissions violation" in str(error).lower():
             log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", _user_of(settings), error)
+        if isinstance(error, ssl.SSLError) and not tls_refused.done():
+            tls_refused.set_result(_tls_refused(servers, error))
         errors.append(error)
 
+    nc = NatsClient()
     options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
+    connecting = asyncio.ensure_future(nc.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings)))
     try:
-        return await nats.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings))
+        await _connected_unless(connecting, tls_refused, BusUnreachable)
+    except BusUnreachable:
+        raise
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
         if any(refused_login(error) for error in errors):
             raise BusUnreachable(_login_refused(servers, settings)) from exc
         raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
+    return nc
 
 
-class LoginRefused(ConfiguredUnlike):
-    """NATS refused this process's user and password as it started."""
+async def _connected_unless(
+    connecting: asyncio.Future[None], refused: asyncio.Future[str], refusal: type[Exception]
+) -> None:
+    """Waits for `connecting` unless `refused` is answered first (a refusal nats-py would retry for ever, or after
+    which it hangs: a server certificate it cannot verify), which raises `refusal` with its message. A connection
+    not made is given up, nothing left trying in the background."""
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done() and connecting.exception() is None:
+            return
+        if refused.done():  # also when nats-py gave up on its own since: the refusal says more than "no servers"
+            raise refusal(refused.result())
+        connecting.result()
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+
+
+def _tls_refused(servers: list[str], error: ssl.SSLError) -> str:
+    where = f"NATS at {redacted_servers(','.join(servers))}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"{where} showed a TLS certificate this process does not trust ({error.verify_message}): set "
+                "NATS_TLS_CA_FILE to the authority that signed it")
+    return (f"{where} refused the TLS handshake ({error.reason or error}): if it verifies its clients, set "
+            "NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE")
+
+
+class BusRefused(ConfiguredUnlike):
+    """NATS refused this process as it started: its user and password, or its TLS (a server certificate it does not
+    trust, or no client certificate where the server asks for one)."""
 
 
 def refused_login(error: Exception) -> bool:
@@ -140,12 +192,13 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
     """Waits for a bus that is down, but not on a login it refuses: refused for LOGIN_REFUSED_FOR_S, and at least
     twice per server named, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. A node that
     refuses while others accept (a password rotated node by node) is not the end: the service connects to another.
-    Once connected, a refusal on a reconnect is waited out like an outage."""
+    A failed TLS handshake stops it at once (BusRefused). Once connected, a refusal on a reconnect is waited out
+    like an outage."""
     nc = _ServiceClient()
     loop = asyncio.get_running_loop()
     refusals = 0
     first_refusal = 0.0
-    refused: asyncio.Future[None] = loop.create_future()
+    refused: asyncio.Future[str] = loop.create_future()
     connected = False
 
     async def on_error(error: Exception) -> None:
@@ -154,7 +207,10 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
             refusals, first_refusal = refusals + 1, first_refusal or loop.time()
             if (refusals >= 2 * len(servers) and loop.time() - first_refusal >= LOGIN_REFUSED_FOR_S
                     and not refused.done()):
-                refused.set_result(None)
+                refused.set_result(_login_refused(servers, settings))
+        # At once: nats-py hangs after a server certificate it cannot verify, and no retry mends a missing one.
+        if not connected and isinstance(error, ssl.SSLError) and not refused.done():
+            refused.set_result(_tls_refused(servers, error))
         await report_connection_error(error)
 
     async def on_closed() -> None:
@@ -168,17 +224,11 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
     options = {**connection_options(settings, name=name), "error_cb": on_error, "closed_cb": on_closed}
     connecting = asyncio.ensure_future(nc.connect(servers=servers, **options, **login(settings)))
     try:
-        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
-        if not connecting.done():
-            raise LoginRefused(_login_refused(servers, settings))
-        connecting.result()
+        await _connected_unless(connecting, refused, BusRefused)
         connected = True
         return nc
     finally:
-        if not connected:  # refused, failed, or the caller cancelled: no connection left trying in the background
-            connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await connecting
+        if not connected:  # refused, failed, or the caller cancelled
             with contextlib.suppress(Exception):
                 await nc.close()
 

@@ -11,7 +11,7 @@ import os
 
 from faststream.middlewares import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.security import NatsUserPassword
+from faststream.nats.security import NatsSecurity, NatsUserPassword
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -38,11 +38,17 @@ class ConsumerProcess:
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
         login = bus_connection.login(settings)
         options = bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers")
+        # FastStream takes the login and the TLS context as one security object, not as nats-py's arguments.
+        tls = options.pop("tls", None)
+        security = (
+            NatsUserPassword(login["user"], login["password"], ssl_context=tls) if login
+            else NatsSecurity(ssl_context=tls) if tls else None
+        )
         self.broker = NatsBroker(
             settings.nats_url.split(","),
             graceful_timeout=graceful_timeout,
             logger=None,
-            security=NatsUserPassword(login["user"], login["password"]) if login else None,
+            security=security,
             closed_cb=self._consumers_closed,
             **options,
         )

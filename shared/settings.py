@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, FilePath, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WRITE_TIMEOUT_MAX_S = 20.0
@@ -31,6 +31,15 @@ class Settings(BaseSettings):
         "deploy/nats/auth.conf); unset: no authentication",
     )
     nats_password: SecretStr | None = Field(default=None, description="that user's password")
+    nats_tls_ca_file: FilePath | None = Field(
+        default=None,
+        description="PEM certificates of the authorities that signed the NATS servers' certificates (unset: the "
+        "system's); with TLS set up on the servers, a client always uses it, whatever the address's scheme",
+    )
+    nats_tls_cert_file: FilePath | None = Field(
+        default=None, description="this process's PEM client certificate, for servers that verify their clients"
+    )
+    nats_tls_key_file: FilePath | None = Field(default=None, description="the private key of that certificate")
     memories_data_dir: Path = Field(default=Path(".memories"), description="where the embedded servers keep data")
 
     # API process.
@@ -120,6 +129,12 @@ class Settings(BaseSettings):
 
     # How many completed turns one extractor replica works on at once (its LLM calls overlap).
     memories_extractor_concurrency: int = Field(default=8, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _a_client_certificate_with_its_key(self) -> Settings:
+        if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
+            raise ValueError("NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE are set together")
+        return self
 
     @property
     def agent_model_providers(self) -> frozenset[str]:
