@@ -392,6 +392,32 @@ def test_every_k8s_object_is_well_formed() -> None:
     assert [image["name"] for image in kustomization["images"]] == [MEMORIES_IMAGE_K8S]
 
 
+def test_k8s_network_policies_open_only_the_api_and_the_metrics_ports_of_the_pods_that_have_them() -> None:
+    def selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+        selector = policy["spec"]["podSelector"]
+        matched = all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
+        for expression in selector.get("matchExpressions", []):
+            assert expression["operator"] == "In"
+            matched = matched and labels.get(expression["key"]) in expression["values"]
+        return matched
+
+    policies = of_kind("NetworkPolicy")
+    workloads = of_kind("Deployment") + of_kind("Job")
+    for workload in workloads:
+        template = workload["spec"]["template"]
+        applying = [p for p in policies if selects(p, template["metadata"]["labels"])]
+        # Every pod is closed by default, and opened only where a policy names one of its container ports.
+        assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in applying), workload["metadata"]
+        ports = {port["name"] for c in template["spec"]["containers"] for port in c.get("ports", [])}
+        opened = {port["port"] for p in applying for rule in p["spec"].get("ingress", []) for port in rule["ports"]}
+        assert opened <= ports, (workload["metadata"]["name"], opened, ports)
+        name = template["metadata"]["labels"]["app.kubernetes.io/name"]
+        expected = {"memories-api": {"http"}, "memories-writer": {"metrics"}, "memories-extractor": {"metrics"}}
+        assert opened == expected.get(name, set()), (name, opened)
+    (metrics,) = [p for p in policies if p["metadata"]["name"] == "memories-metrics"]
+    assert all(rule.get("from") for rule in metrics["spec"]["ingress"]), "the metrics are open to every namespace"
+
+
 def test_k8s_containers_set_only_known_settings_and_run_real_commands() -> None:
     secret_keys = {
         doc["metadata"]["name"]: set(doc["stringData"]) for doc in of_kind("Secret", include_examples=True)
