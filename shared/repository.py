@@ -52,6 +52,10 @@ from shared.events import EntryState
 from shared.ids import API_KEY_PREFIX, ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
 
 STALE_PENDING = timedelta(seconds=30)
+STALE_PUBLISHED = timedelta(hours=1)
+"""A pending write whose event was published is waited for, not published again by a retry, unless this old: its
+event lost from the stream (a purge) is then published again by the next retry, at the cost of one copy an hour
+that the writer skips while no writer runs at all."""
 """A pending write this old has lost its caller; a retry with its key may publish it again."""
 
 
@@ -416,8 +420,10 @@ async def claim_write_id(
 ) -> tuple[WriteOutcome, bool]:
     """Record a write as pending unless its id is known. Returns the record and whether this call owns the
     attempt: a new id, or one whose earlier attempt failed (a retry; with `retry_failed`, only a failure of those
-    codes), or one left pending by a caller that gave up (its publish may never have happened; the bus drops it
-    if it did). The caller compares the record's `request_hash` with its own before it uses the record."""
+    codes), or one left pending by a caller that gave up before its event was known to be published (its publish
+    may never have happened; the bus drops it if it did, within its duplicate window). A pending write known to be
+    published is waited for (see `STALE_PUBLISHED`). The caller compares the record's `request_hash` with its own
+    before it uses the record."""
     inserted = await session.scalar(
         insert(WriteOutcome)
         .values(
@@ -444,10 +450,14 @@ async def claim_write_id(
                     WriteOutcome.status == "failed",
                     true() if retry_failed is None else WriteOutcome.error_code.in_(list(retry_failed)),
                 ),
-                and_(WriteOutcome.status == "pending", WriteOutcome.updated_at < func.now() - STALE_PENDING),
+                and_(
+                    WriteOutcome.status == "pending",
+                    WriteOutcome.updated_at < func.now() - STALE_PENDING,
+                    or_(WriteOutcome.published_at.is_(None), WriteOutcome.published_at < func.now() - STALE_PUBLISHED),
+                ),
             ),
         )
-        .values(status="pending", updated_at=func.now())
+        .values(status="pending", updated_at=func.now(), published_at=None)
         .returning(WriteOutcome.write_id)
     )
     # Read after the take-over: as it stands now, whether this call took it over or another one did meanwhile
@@ -462,8 +472,17 @@ async def record_pending_write(session: AsyncSession, write_id: str, project_id:
     meanwhile (a failure included: nothing is queued any more to make it pending again)."""
     await session.execute(
         insert(WriteOutcome)
-        .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending")
+        .values(write_id=write_id, project_id=project_id, memory_id=memory_id, status="pending", published_at=func.now())
         .on_conflict_do_nothing(index_elements=[WriteOutcome.write_id])
+    )
+
+
+async def record_published(session: AsyncSession, write_id: str) -> None:
+    """A claimed write whose event the stream took and no writer has decided yet: a retry waits for it."""
+    await session.execute(
+        update(WriteOutcome)
+        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending")
+        .values(published_at=func.now())
     )
 
 

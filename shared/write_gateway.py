@@ -115,12 +115,15 @@ class WriteGateway:
             except _ClaimChanged:
                 continue  # claimed again: published here if its owner gave it up (a 503), else awaited anew
         try:
-            return await self._publish_and_wait(
+            outcome = await self._publish_and_wait(
                 event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
             )
         except bus.BusUnavailable:
             await self._release_claim(event.write_id)
             raise
+        if outcome is None:
+            await self._record_published(event.write_id)
+        return outcome
 
     async def _claim(
         self, event: MemoryWriteRequested, fingerprint: str | None, retry_failed: Collection[str] | None
@@ -146,6 +149,17 @@ class WriteGateway:
                 await session.commit()
         except SQLAlchemyError:
             log.warning("could not record write %s as pending; it stays queued", event.write_id, exc_info=True)
+
+    async def _record_published(self, write_id: str) -> None:
+        """The claimed write is queued and not decided in time: a retry of its key is to wait for it, not publish
+        it again (past the bus's duplicate window, that queued a copy each time). Not recorded (the database is
+        down), a retry publishes it again, as before."""
+        try:
+            async with self._sessions() as session:
+                await repo.record_published(session, write_id)
+                await session.commit()
+        except SQLAlchemyError:
+            log.warning("could not record write %s as published", write_id, exc_info=True)
 
     async def _release_claim(self, write_id: str) -> None:
         try:

@@ -315,7 +315,7 @@ async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
 def test_the_stored_records_name_every_column_the_writer_sets() -> None:
     """A column added to a table must be added to its record, or every write would store it empty."""
     set_by_server = {"id", "created_at", "updated_at"}
-    set_by_the_claim = {"request_hash"}  # kept by the writer's upsert (see the next test)
+    set_by_the_claim = {"request_hash", "published_at"}  # the gateway's, kept by the writer's upsert (next test)
     for record, table in ((repo.OutcomeRow, WriteOutcome.__table__), (repo.HistoryRow, EntryHistory.__table__)):
         assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server - set_by_the_claim
 

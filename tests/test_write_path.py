@@ -4,6 +4,7 @@ contention across two writer replicas, failures that write nothing, and dead let
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -533,6 +534,51 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
     finally:
         await nc.close()
     assert outcome is not None and outcome.action is not None and outcome.action.value == "created"
+
+
+async def test_a_retry_waits_for_its_queued_write_instead_of_publishing_it_again(
+    settings: Settings, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the bus's duplicate window (2 minutes), each retry of a key whose claim had gone stale (30 s) queued one
+    # more copy of the write while no writer ran.
+    event = MemoryWriteRequested(
+        event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Queued, unread"
+    )
+    published: list[str] = []
+    publish = bus.publish_or_refuse
+
+    async def counted(nc: Any, subject: str, *args: Any, **kwargs: Any) -> Any:
+        published.append(subject)
+        return await publish(nc, subject, *args, **kwargs)
+
+    async def age_claim(by: timedelta) -> None:
+        async with sessions() as session:
+            await session.execute(
+                update(WriteOutcome)
+                .where(WriteOutcome.write_id == event.write_id)
+                .values(updated_at=WriteOutcome.updated_at - by, published_at=WriteOutcome.published_at - by)
+            )
+            await session.commit()
+
+    monkeypatch.setattr(bus, "publish_or_refuse", counted)
+    # Counted so that the memory's partition is one no writer consumes: the write stays queued.
+    unread = next(n for n in itertools.count(settings.memories_partitions + 1)
+                  if bus.partition_of(memory["id"], n) >= settings.memories_partitions)
+    nc = await nats.connect(settings.nats_url)
+    gateway = WriteGateway(nc, sessions, unread)
+    await gateway.start()
+    try:
+        assert await gateway.submit(event, timeout=0.5, client_key=True) is None  # a 202: queued
+        await age_claim(2 * repo.STALE_PENDING)
+        assert await gateway.submit(event, timeout=0.5, client_key=True) is None
+        assert len(published) == 1  # waited for, not published again
+        await age_claim(repo.STALE_PUBLISHED)  # lost from the stream, perhaps: after so long, published again
+        assert await gateway.submit(event, timeout=0.5, client_key=True) is None
+        assert len(published) == 2
+    finally:
+        if published:
+            await nc.jetstream().purge_stream(bus.WRITES_STREAM, subject=published[0])
+        await nc.close()
 
 
 async def test_a_caller_waiting_on_another_callers_attempt_reads_its_record_less_and_less_often(

@@ -107,6 +107,9 @@ class WriteOutcome(Base):
     # The request that first claimed a client's Idempotency-Key (None without a key, and for the writer's
     # own records): a later request with the key must be the same request.
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # When a pending write's event was seen on the stream (its caller timed out waiting: the 202): a retry of its
+    # key then waits for it rather than publishing it again. None while not known to be published.
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _created()
 
