@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -28,6 +29,7 @@ class BusUnreachable(Exception):
 _CONNECTION_ERRORS = (
     OSError, TimeoutError, nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError,
     nats.errors.UnexpectedEOF, nats.errors.NoServersError,
+    nats.errors.DrainTimeoutError,  # a stop that gave the messages in hand DRAIN_TIMEOUT_S: they come back
 )
 
 
@@ -44,6 +46,8 @@ async def report_connection_error(error: Exception) -> None:
 DRAIN_TIMEOUT_S = 5.0
 """How long a stopping service waits for its subscriptions to finish the messages they hold (nats-py's default,
 30 s, outlasts the grace a container is given)."""
+DRAIN_FLUSH_S = 10.0
+"""nats-py's drain then flushes what is buffered, waiting up to its flush's fixed default for the answer."""
 
 
 def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any]:
@@ -64,20 +68,22 @@ def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any
     }
     if settings is not None and settings.nats_user:
         options["inbox_prefix"] = inbox_prefix(settings.nats_user)
-    if (tls := tls_context(settings)) is not None:
-        options["tls"] = tls
+    return {**options, **tls_options(settings)}
+
+
+def tls_options(settings: Settings | None) -> dict[str, Any]:
+    """nats-py's TLS arguments: how the servers' certificates are checked and the certificate this process shows,
+    when the settings name either (else nats-py's default, the system's authorities, when a server asks for TLS),
+    and whether TLS starts before the server says anything."""
+    if settings is None:
+        return {}
+    options: dict[str, Any] = {"tls_handshake_first": True} if settings.nats_tls_handshake_first else {}
+    if settings.nats_tls_ca_file is not None or settings.nats_tls_cert_file is not None:
+        context = ssl.create_default_context(cafile=settings.nats_tls_ca_file)
+        if settings.nats_tls_cert_file is not None:
+            context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
+        options["tls"] = context
     return options
-
-
-def tls_context(settings: Settings | None) -> ssl.SSLContext | None:
-    """How the servers' certificates are checked, and the certificate this process shows, when the settings name
-    either. None: nats-py's own default, the system's authorities, when a server asks for TLS."""
-    if settings is None or (settings.nats_tls_ca_file is None and settings.nats_tls_cert_file is None):
-        return None
-    context = ssl.create_default_context(cafile=settings.nats_tls_ca_file)
-    if settings.nats_tls_cert_file is not None:
-        context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
-    return context
 
 
 def inbox_prefix(user: str) -> str:
@@ -103,37 +109,77 @@ async def connect(url: str, *, name: str, one_shot: bool = False, settings: Sett
         return await _connect_service(servers, name, settings)
 
     errors: list[Exception] = []
-    tls_refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    hung: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    watch_handshakes = _handshake_watch(hung, servers)
 
     async def quiet(error: Exception) -> None:
         # A failed attempt to connect is reported by the caller, once; a refusal once connected is said at once,
         # or the command would only time out ("nats: timeout").
         if "permissions violation" in str(error).lower():
             log.error("NATS refused %s: %s (the bus and dlq commands need the admin user)", _user_of(settings), error)
-        if isinstance(error, ssl.SSLError) and not tls_refused.done():
-            tls_refused.set_result(_tls_refused(servers, error))
+        watch_handshakes(error)
         errors.append(error)
 
     nc = NatsClient()
     options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
     connecting = asyncio.ensure_future(nc.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings)))
     try:
-        await _connected_unless(connecting, tls_refused, BusUnreachable)
+        await _connected_unless(connecting, hung, BusUnreachable)
+        return nc
     except BusUnreachable:
+        await _abandon(nc)
         raise
     except Exception as exc:  # nats-py raises its own errors and OSError alike for "no server answered"
+        await _abandon(nc)
         if any(refused_login(error) for error in errors):
             raise BusUnreachable(_login_refused(servers, settings)) from exc
+        if handshakes := [error for error in errors if isinstance(error, ssl.SSLError)]:
+            raise BusUnreachable(_tls_refused(servers, handshakes[-1])) from exc
         raise BusUnreachable(f"cannot reach NATS at {redacted_servers(url)}: {type(exc).__name__} {exc}".rstrip()) from exc
-    return nc
+
+
+async def _abandon(nc: NatsClient) -> None:
+    with contextlib.suppress(Exception):
+        await nc.close()
+
+
+TLS_SILENCE_S = 8.0
+"""nats-py waits for ever after a TLS upgrade that fails (a server certificate it cannot verify, a server that does
+not speak TLS first): it then waits for the plain connection to close, which nothing closes. A handshake error
+followed by this long without another attempt (a connect timeout and a retry's pause) is taken as one of those."""
+
+
+def _handshake_watch(hung: asyncio.Future[str], servers: list[str]) -> Callable[[Exception], None]:
+    """What to call with each error nats-py reports while it connects: answers `hung` with what to set once a
+    failed TLS handshake left it hanging; at once for a certificate it does not trust, which always does."""
+    loop = asyncio.get_running_loop()
+    reported = 0
+
+    def watch(error: Exception) -> None:
+        nonlocal reported
+        reported += 1
+        if hung.done() or not isinstance(error, ssl.SSLError):
+            return
+        if isinstance(error, ssl.SSLCertVerificationError):
+            hung.set_result(_tls_refused(servers, error))
+            return
+        seen = reported
+
+        def unless_retried() -> None:
+            if reported == seen and not hung.done():
+                hung.set_result(_tls_refused(servers, error))
+
+        loop.call_later(TLS_SILENCE_S, unless_retried)
+
+    return watch
 
 
 async def _connected_unless(
     connecting: asyncio.Future[None], refused: asyncio.Future[str], refusal: type[Exception]
 ) -> None:
-    """Waits for `connecting` unless `refused` is answered first (a refusal nats-py would retry for ever, or after
-    which it hangs: a server certificate it cannot verify), which raises `refusal` with its message. A connection
-    not made is given up, nothing left trying in the background."""
+    """Waits for `connecting` unless `refused` is answered first, which raises `refusal` with its message: a
+    refusal nats-py would retry for ever, or a handshake it hangs after (`TLS_SILENCE_S`). A connection not made is
+    given up, nothing left trying in the background."""
     try:
         await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
         if connecting.done() and connecting.exception() is None:
@@ -153,8 +199,10 @@ def _tls_refused(servers: list[str], error: ssl.SSLError) -> str:
     if isinstance(error, ssl.SSLCertVerificationError):
         return (f"{where} showed a TLS certificate this process does not trust ({error.verify_message}): set "
                 "NATS_TLS_CA_FILE to the authority that signed it")
-    return (f"{where} refused the TLS handshake ({error.reason or error}): if it verifies its clients, set "
-            "NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE")
+    if "CERTIFICATE_REQUIRED" in str(error.reason):
+        return f"{where} asks for a client certificate: set NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE"
+    return (f"{where}: the TLS handshake failed ({error.reason or error}); with NATS_TLS_HANDSHAKE_FIRST the servers "
+            "need TLS with `handshake_first`")
 
 
 class BusRefused(ConfiguredUnlike):
@@ -184,33 +232,37 @@ class _ServiceClient(NatsClient):
 
 
 LOGIN_REFUSED_FOR_S = 10.0
-"""How long a starting service is refused its login before it stops: a node restarted with a new password refuses
-until the service's own is renewed, and a service on one address (a Kubernetes Service) reaches a random node."""
+"""How long a starting service is refused its login (or its TLS handshake) before it stops: a node restarted with a
+new password refuses until the service's own is renewed, and a service on one address (a Kubernetes Service) reaches
+a random node."""
 
 
 async def _connect_service(servers: list[str], name: str, settings: Settings | None) -> NatsClient:
     """Waits for a bus that is down, but not on a login it refuses: refused for LOGIN_REFUSED_FOR_S, and at least
     twice per server named, a wrong NATS_USER or NATS_PASSWORD stops the service at start, in one line. A node that
     refuses while others accept (a password rotated node by node) is not the end: the service connects to another.
-    A failed TLS handshake stops it at once (BusRefused). Once connected, a refusal on a reconnect is waited out
-    like an outage."""
+    So does a TLS handshake refused as long (a client certificate missing), or one nats-py hangs after
+    (`TLS_SILENCE_S`). Once connected, a refusal on a reconnect is waited out like an outage."""
     nc = _ServiceClient()
     loop = asyncio.get_running_loop()
     refusals = 0
     first_refusal = 0.0
     refused: asyncio.Future[str] = loop.create_future()
+    watch_handshakes = _handshake_watch(refused, servers)
     connected = False
 
     async def on_error(error: Exception) -> None:
         nonlocal refusals, first_refusal
-        if not connected and refused_login(error):
+        if not connected:
+            watch_handshakes(error)
+        # Refused logins, and handshakes nats-py retries (a client certificate missing, a node restarting).
+        if not connected and (refused_login(error) or isinstance(error, ssl.SSLError)):
             refusals, first_refusal = refusals + 1, first_refusal or loop.time()
             if (refusals >= 2 * len(servers) and loop.time() - first_refusal >= LOGIN_REFUSED_FOR_S
                     and not refused.done()):
-                refused.set_result(_login_refused(servers, settings))
-        # At once: nats-py hangs after a server certificate it cannot verify, and no retry mends a missing one.
-        if not connected and isinstance(error, ssl.SSLError) and not refused.done():
-            refused.set_result(_tls_refused(servers, error))
+                refused.set_result(
+                    _tls_refused(servers, error) if isinstance(error, ssl.SSLError) else _login_refused(servers, settings)
+                )
         await report_connection_error(error)
 
     async def on_closed() -> None:
@@ -229,8 +281,7 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
         return nc
     finally:
         if not connected:  # refused, failed, or the caller cancelled
-            with contextlib.suppress(Exception):
-                await nc.close()
+            await _abandon(nc)
 
 
 def stop_this_process() -> None:

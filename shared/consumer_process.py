@@ -38,11 +38,11 @@ class ConsumerProcess:
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
         login = bus_connection.login(settings)
         options = bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers")
-        # FastStream takes the login and the TLS context as one security object, not as nats-py's arguments.
-        tls = options.pop("tls", None)
+        # FastStream takes the login and the TLS arguments as one security object, not as nats-py's arguments.
+        tls = {"ssl_context": options.pop("tls", None), "tls_handshake_first": options.pop("tls_handshake_first", False)}
         security = (
-            NatsUserPassword(login["user"], login["password"], ssl_context=tls) if login
-            else NatsSecurity(ssl_context=tls) if tls else None
+            NatsUserPassword(login["user"], login["password"], **tls) if login
+            else NatsSecurity(**tls) if any(tls.values()) else None
         )
         self.broker = NatsBroker(
             settings.nats_url.split(","),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ssl
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, FilePath, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, FilePath, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WRITE_TIMEOUT_MAX_S = 20.0
@@ -34,12 +35,43 @@ class Settings(BaseSettings):
     nats_tls_ca_file: FilePath | None = Field(
         default=None,
         description="PEM certificates of the authorities that signed the NATS servers' certificates (unset: the "
-        "system's); with TLS set up on the servers, a client always uses it, whatever the address's scheme",
+        "system's); TLS is used when a server asks for it, unless NATS_TLS_HANDSHAKE_FIRST",
     )
     nats_tls_cert_file: FilePath | None = Field(
         default=None, description="this process's PEM client certificate, for servers that verify their clients"
     )
-    nats_tls_key_file: FilePath | None = Field(default=None, description="the private key of that certificate")
+    nats_tls_key_file: FilePath | None = Field(
+        default=None, validate_default=True, description="the private key of that certificate"
+    )
+    nats_tls_handshake_first: bool = Field(
+        default=False,
+        description="start TLS before the server sends anything, so that no server without TLS (nor anyone between) "
+        "reads the login; the servers need `handshake_first` in their `tls` block",
+    )
+
+    @field_validator("nats_tls_ca_file")
+    @classmethod
+    def _an_authority_that_loads(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            try:
+                ssl.create_default_context(cafile=path)
+            except ssl.SSLError as exc:
+                raise ValueError(f"{path} holds no PEM certificate ssl can load ({exc.reason or exc})") from exc
+        return path
+
+    @field_validator("nats_tls_key_file")
+    @classmethod
+    def _a_certificate_with_its_key(cls, key: Path | None, info: ValidationInfo) -> Path | None:
+        certificate = info.data.get("nats_tls_cert_file")
+        if (certificate is None) != (key is None):
+            raise ValueError("NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE must be set together")
+        if certificate is not None:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(certificate, key)
+            except ssl.SSLError as exc:
+                raise ValueError(f"{certificate} and {key} are not a certificate and its key ({exc.reason or exc})") from exc
+        return key
+
     memories_data_dir: Path = Field(default=Path(".memories"), description="where the embedded servers keep data")
 
     # API process.
@@ -56,9 +88,8 @@ class Settings(BaseSettings):
         default=75,
         ge=1,
         le=3600,
-        description="how long the API keeps an idle client connection open; longer than the idle timeout of any load "
-        "balancer or client pool in front of it (60 s on an AWS ALB, 5 s in httpx), or it closes a connection the "
-        "other side is reusing at that moment and the request fails",
+        description="how long the API keeps an idle client connection open (docs/operations.md: longer than a load "
+        "balancer's idle timeout)",
     )
     memories_api_key_cache_s: float = Field(
         default=10.0,
@@ -129,12 +160,6 @@ class Settings(BaseSettings):
 
     # How many completed turns one extractor replica works on at once (its LLM calls overlap).
     memories_extractor_concurrency: int = Field(default=8, ge=1, le=256)
-
-    @model_validator(mode="after")
-    def _a_client_certificate_with_its_key(self) -> Settings:
-        if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
-            raise ValueError("NATS_TLS_CERT_FILE and NATS_TLS_KEY_FILE are set together")
-        return self
 
     @property
     def agent_model_providers(self) -> frozenset[str]:

@@ -29,7 +29,9 @@ def requests_grace_s(settings: Settings) -> int:
 def stop_grace_s(settings: Settings) -> float:
     """The longest a stopping API takes: its requests in hand, then the lifespan's shutdown (the change events on
     their way, then the bus drained)."""
-    return requests_grace_s(settings) + bus.PUBLISH_TIMEOUT_S + bus_connection.DRAIN_TIMEOUT_S
+    return (
+        requests_grace_s(settings) + bus.PUBLISH_TIMEOUT_S + bus_connection.DRAIN_TIMEOUT_S + bus_connection.DRAIN_FLUSH_S
+    )
 
 
 def server_config(app: FastAPI, settings: Settings, *, host: str, port: int, **options: Any) -> uvicorn.Config:
