@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -378,8 +379,9 @@ def cmd_api(args: argparse.Namespace) -> int:
         return 1
     host, port = args.host or settings.memories_host, args.port or settings.memories_port
     server = uvicorn.Server(server_config(create_app(settings), settings, host=host, port=port, log_level="info"))
-    server.run()
-    return 0 if server.started else 3
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn stops in order on Ctrl-C, then raises it again
+        server.run()
+    return 0 if server.started else 3  # uvicorn's own status for a failed start
 
 
 def cmd_writer(args: argparse.Namespace) -> int:

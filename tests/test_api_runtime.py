@@ -7,6 +7,8 @@ import contextlib
 import inspect
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +38,7 @@ from shared import metrics
 from shared import repository as repo
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
-from tests.conftest import open_api, raw_exchange
+from tests.conftest import ADMIN_TOKEN, PARTITIONS, open_api, raw_exchange
 
 
 def _dependencies(dependant: Dependant) -> list[Dependant]:
@@ -183,6 +185,32 @@ async def test_an_idle_connection_is_closed_after_the_keep_alive_setting() -> No
         async with served(app, BoundedHeadHttpTools, Settings(memories_keep_alive_s=keep_alive)) as port:
             answer = await asyncio.to_thread(idle_then_reused, port)
             assert answer.startswith(b"HTTP/1.1 200 ") == reused, (keep_alive, answer)
+
+
+def test_memories_api_stopped_with_ctrl_c_exits_cleanly(server_urls: tuple[str, str]) -> None:
+    # uvicorn raises the interrupt again once it has stopped: the command ended in a traceback and status 130.
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": server_urls[0], "NATS_URL": server_urls[1], "MEMORIES_PORT": str(port),
+           "MEMORIES_PARTITIONS": str(PARTITIONS), "MEMORIES_ADMIN_TOKEN": ADMIN_TOKEN, "MEMORIES_LOG_FORMAT": "text"}
+    api = subprocess.Popen([sys.executable, "-m", "services.cli", "api"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(f"http://{LOOPBACK}:{port}/readyz"):
+            assert api.poll() is None and time.monotonic() < deadline, "the API did not start"
+            time.sleep(0.2)
+        api.send_signal(signal.SIGINT)
+        _, stderr = api.communicate(timeout=30)
+    finally:
+        if api.poll() is None:
+            api.kill()
+    assert api.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class QuickHeadTimeout(BoundedHeadHttpTools):
