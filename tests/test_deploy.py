@@ -414,8 +414,13 @@ def test_k8s_network_policies_open_only_the_api_and_the_metrics_ports_of_the_pod
         name = template["metadata"]["labels"]["app.kubernetes.io/name"]
         expected = {"memories-api": {"http"}, "memories-writer": {"metrics"}, "memories-extractor": {"metrics"}}
         assert opened == expected.get(name, set()), (name, opened)
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)  # without it an `ingress` list may not apply
     (metrics,) = [p for p in policies if p["metadata"]["name"] == "memories-metrics"]
-    assert all(rule.get("from") for rule in metrics["spec"]["ingress"]), "the metrics are open to every namespace"
+    sources = [source for rule in metrics["spec"]["ingress"] for source in rule.get("from", [None])]
+    # Not open to every namespace (no `from`, or an empty selector): to the one Prometheus runs in.
+    assert sources and all(
+        source and set(source["namespaceSelector"]["matchLabels"]) == {"kubernetes.io/metadata.name"} for source in sources
+    ), sources
 
 
 def test_k8s_containers_set_only_known_settings_and_run_real_commands() -> None:
