@@ -52,11 +52,11 @@ from shared.events import EntryState
 from shared.ids import API_KEY_PREFIX, ENTRY_PREFIX, MEMORY_PREFIX, PROJECT_PREFIX, new_id
 
 STALE_PENDING = timedelta(seconds=30)
-STALE_PUBLISHED = timedelta(hours=1)
-"""A pending write whose event was published is waited for, not published again by a retry, unless this old: its
-event lost from the stream (a purge) is then published again by the next retry, at the cost of one copy an hour
-that the writer skips while no writer runs at all."""
 """A pending write this old has lost its caller; a retry with its key may publish it again."""
+STALE_PUBLISHED = timedelta(hours=1)
+"""A pending write known to be on the stream is waited for by a retry, not published again, unless it is this old:
+then its event may have been lost (a purge, a dead letter whose failure could not be recorded), and the next retry
+publishes it again. While no writer runs, that queues at most one copy an hour, which the writer skips."""
 
 
 def glob_to_like(pattern: str) -> ColumnElement[str]:
@@ -477,11 +477,12 @@ async def record_pending_write(session: AsyncSession, write_id: str, project_id:
     )
 
 
-async def record_published(session: AsyncSession, write_id: str) -> None:
-    """A claimed write whose event the stream took and no writer has decided yet: a retry waits for it."""
+async def record_published(session: AsyncSession, write_id: str, claimed_at: datetime) -> None:
+    """A claimed write whose event the stream took and no writer has decided yet: a retry waits for it. Only the
+    claim made at `claimed_at`: a later one (the write failed meanwhile, and a retry claimed it) has not published."""
     await session.execute(
         update(WriteOutcome)
-        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending")
+        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending", WriteOutcome.updated_at == claimed_at)
         .values(published_at=func.now())
     )
 
@@ -511,7 +512,7 @@ async def release_write_claim(session: AsyncSession, write_id: str) -> None:
     await session.execute(
         update(WriteOutcome)
         .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending")
-        .values(updated_at=func.now() - 2 * STALE_PENDING)
+        .values(updated_at=func.now() - 2 * STALE_PENDING, published_at=None)
     )
 
 

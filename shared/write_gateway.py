@@ -122,7 +122,7 @@ class WriteGateway:
             await self._release_claim(event.write_id)
             raise
         if outcome is None:
-            await self._record_published(event.write_id)
+            await self._record_published(event.write_id, claimed_at=record.updated_at)
         return outcome
 
     async def _claim(
@@ -150,13 +150,13 @@ class WriteGateway:
         except SQLAlchemyError:
             log.warning("could not record write %s as pending; it stays queued", event.write_id, exc_info=True)
 
-    async def _record_published(self, write_id: str) -> None:
+    async def _record_published(self, write_id: str, *, claimed_at: datetime) -> None:
         """The claimed write is queued and not decided in time: a retry of its key is to wait for it, not publish
         it again (past the bus's duplicate window, that queued a copy each time). Not recorded (the database is
         down), a retry publishes it again, as before."""
         try:
             async with self._sessions() as session:
-                await repo.record_published(session, write_id)
+                await repo.record_published(session, write_id, claimed_at)
                 await session.commit()
         except SQLAlchemyError:
             log.warning("could not record write %s as published", write_id, exc_info=True)

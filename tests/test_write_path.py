@@ -8,7 +8,7 @@ import itertools
 import json
 import os
 import signal
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -579,6 +579,42 @@ async def test_a_retry_waits_for_its_queued_write_instead_of_publishing_it_again
         if published:
             await nc.jetstream().purge_stream(bus.WRITES_STREAM, subject=published[0])
         await nc.close()
+
+
+async def test_a_late_record_of_a_publish_leaves_a_newer_claim_alone(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # A caller timed out, the writer failed its attempt, a retry claimed the write again: the first caller's late
+    # record of its publish made the retry's claim look queued, and retries waited an hour for an unpublished write.
+    write_id = new_write_id()
+
+    async def claim() -> datetime:
+        async with sessions() as session:
+            record, owned = await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+            assert owned
+            claimed_at = record.updated_at
+            await session.commit()
+        return claimed_at
+
+    async def published_at() -> datetime | None:
+        async with sessions() as session:
+            return await session.scalar(select(WriteOutcome.published_at).where(WriteOutcome.write_id == write_id))
+
+    first = await claim()
+    async with sessions() as session:
+        assert await repo.fail_pending_write(session, write_id, memory["id"], "EMBEDDING_UNAVAILABLE", "down")
+        await session.commit()
+    retried = await claim()
+    for claimed_at, recorded in ((first, False), (retried, True)):
+        async with sessions() as session:
+            await repo.record_published(session, write_id, claimed_at)
+            await session.commit()
+        assert (await published_at() is not None) == recorded
+    async with sessions() as session:  # the retry's publish refused after all: the next retry publishes at once
+        await repo.release_write_claim(session, write_id)
+        await session.commit()
+    assert await published_at() is None
+    await claim()
 
 
 async def test_a_caller_waiting_on_another_callers_attempt_reads_its_record_less_and_less_often(
