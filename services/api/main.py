@@ -25,6 +25,7 @@ from services.api.routes import (
     memories,
     metrics,
     projects,
+    provenance,
     providers,
     writes,
 )
@@ -114,7 +115,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(ResponseCounter)  # outermost of ours: counts the body limit's 413s too
     api = APIRouter(prefix=API_PREFIX)
-    for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, providers):
+    for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, provenance, providers):
         api.include_router(module.router)
     app.include_router(api)
     app.include_router(health.router)

@@ -1,31 +1,26 @@
-"""Agent and orchestration write paths, entry history, and provenance clean-up for platforms on HTTP."""
+"""Agent and orchestration write paths: the write_memory tool for platforms on HTTP, and the orchestration write."""
 
 from __future__ import annotations
 
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Path, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import (
-    Principal,
     PrincipalDep,
     ReadSessionDep,
-    SessionDep,
     require,
     resolve_project,
-    scope,
 )
 from services.api.errors import ApiError, invalid
-from services.api.routes.entries import WRITE_RESPONSES, load_entry, submit_write, write_id_for
+from services.api.routes.entries import WRITE_RESPONSES, submit_write, write_id_for
 from services.api.routes.memories import writable_memory_project
 from services.api.routing import CheckedRoute
-from services.api.schemas import Strict, Tags, Timestamp, WrittenMetadata
+from services.api.schemas import Strict, Tags, WrittenMetadata
 from shared import registry
-from shared import repository as repo
 from shared.agents import AgentSpec, encode_content, flatten_tags, orchestration_event
 from shared.events import CONTENT_MAX_CHARS, GenerationId, SourceType, WrittenContent
 from shared.ids import MEMORY_PREFIX, is_valid_id
@@ -157,77 +152,3 @@ async def orchestration_write(
         write_id=write_id_for(project_id, idempotency_key, request),
     )
     return await submit_write(request, session, event, fresh_id=idempotency_key is None)
-
-
-class HistoryRecord(BaseModel):
-    write_id: str | None
-    entry_id: str
-    related_entry_id: str | None
-    action: str
-    rule: str | None = Field(
-        description="why: the decision's rule (`exact_copy`, `near_duplicate`, `merged`, a fallback after a colon as in "
-        "`arbitration_failed:merged` or `merged:exact_copy`), or what an edit changed (`changed:tags,metadata`)"
-    )
-    score: float | None
-    candidate_ids: list[str] | None
-    model: str | None
-    prompt_version: str | None
-    content_before: str | None
-    content_after: str | None
-    created_at: Timestamp
-
-
-class History(BaseModel):
-    entry_id: str
-    data: list[HistoryRecord]
-
-
-@router.get(
-    "/memory-entries/{entry_id}/history",
-    summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
-    dependencies=[require("memories:GetMemoryEntry")],
-)
-async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> History:
-    entry = await load_entry(session, scope(principal), entry_id)
-    records = await repo.list_history(session, entry.id)
-    return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])
-
-
-class ProvenanceCleared(BaseModel):
-    cleared: int = Field(description="how many entries referenced it")
-
-
-# An empty id is a client's slip (a path built from a missing variable), not a generation: a 400 says so. A longer
-# id than a write may cite is a no-op (nothing holds it, nothing is remembered), as deleting what is gone should be.
-ForgottenId = Annotated[str, Path(min_length=1)]
-
-
-@router.delete(
-    "/generations/{generation_id:path}/provenance",  # `:path`: an id may hold a "/" (e.g. run/42)
-    summary="A generation was deleted: entries forget it, the facts stay",
-    dependencies=[require("memories:UpdateMemoryEntry")],
-)
-async def forget_generation(
-    generation_id: ForgottenId, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
-) -> ProvenanceCleared:
-    return await _forget(session, principal, project_id, generation_id=generation_id)
-
-
-@router.delete(
-    "/conversations/{conversation_id:path}/provenance",
-    summary="A conversation was deleted: entries forget it, the facts stay",
-    dependencies=[require("memories:UpdateMemoryEntry")],
-)
-async def forget_conversation(
-    conversation_id: ForgottenId, session: SessionDep, principal: PrincipalDep, project_id: str | None = None
-) -> ProvenanceCleared:
-    return await _forget(session, principal, project_id, conversation_id=conversation_id)
-
-
-async def _forget(
-    session: AsyncSession, principal: Principal, project_id: str | None, **reference: str
-) -> ProvenanceCleared:
-    project = await resolve_project(session, principal, project_id)
-    cleared = await repo.clear_provenance(session, project, **reference)
-    await session.commit()
-    return ProvenanceCleared(cleared=cleared)

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.deps import PrincipalDep, ReadSessionDep, SessionDep, SettingsDep, require, scope
@@ -14,7 +15,15 @@ from services.api.errors import ApiError, envelope, invalid, not_found
 from services.api.pagination import Flag, PagingDep, paged
 from services.api.routes.memories import load_memory, writable_memory_project
 from services.api.routing import CheckedRoute
-from services.api.schemas import EntryCreate, EntryOut, EntryUpdate, EntryWritten, Page, WriteAccepted
+from services.api.schemas import (
+    EntryCreate,
+    EntryOut,
+    EntryUpdate,
+    EntryWritten,
+    Page,
+    Timestamp,
+    WriteAccepted,
+)
 from shared import bus
 from shared import repository as repo
 from shared.db.models import MemoryEntry
@@ -203,6 +212,40 @@ async def list_entries(
 )
 async def get_entry(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> EntryOut:
     return EntryOut.of(await load_entry(session, scope(principal), entry_id))
+
+
+class HistoryRecord(BaseModel):
+    write_id: str | None
+    entry_id: str
+    related_entry_id: str | None
+    action: str
+    rule: str | None = Field(
+        description="why: the decision's rule (`exact_copy`, `near_duplicate`, `merged`, a fallback after a colon as in "
+        "`arbitration_failed:merged` or `merged:exact_copy`), or what an edit changed (`changed:tags,metadata`)"
+    )
+    score: float | None
+    candidate_ids: list[str] | None
+    model: str | None
+    prompt_version: str | None
+    content_before: str | None
+    content_after: str | None
+    created_at: Timestamp
+
+
+class History(BaseModel):
+    entry_id: str
+    data: list[HistoryRecord]
+
+
+@router.get(
+    "/{entry_id}/history",
+    summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
+    dependencies=[require("memories:GetMemoryEntry")],
+)
+async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> History:
+    entry = await load_entry(session, scope(principal), entry_id)
+    records = await repo.list_history(session, entry.id)
+    return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])
 
 
 @router.put(
