@@ -57,12 +57,15 @@ def _command(name: str, build: Any) -> Any:
 def nats_auth(args: argparse.Namespace) -> int:
     from shared.bus_permissions import rendered
 
-    stale = [path for path, text in rendered().items() if not path.exists() or path.read_text() != text]
+    # Outside a checkout (an installed package) there is no deploy/nats/ to write to: --output names a directory.
+    files = {Path(args.output) / path.name if args.output else path: text for path, text in rendered().items()}
+    stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
             print(f"{path} is out of date: run `memories nats-auth`", file=sys.stderr)
         return 1 if stale else 0
-    for path, text in rendered().items():
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
     return 0
@@ -80,5 +83,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = subparsers.add_parser(
         "nats-auth", help="write the bus's users and permissions (shared/bus_permissions.py) to deploy/nats/"
     )
+    parser.add_argument("--output", help="another directory (deploy/nats/ exists only in a checkout)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
     parser.set_defaults(func=nats_auth)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 
+from services.cli import main
 from services.cli_contracts import DOCS, asyncapi, openapi, render
 from shared import bus_permissions, events
 
@@ -22,6 +24,18 @@ def test_openapi_document_is_current() -> None:
 def test_the_bus_users_in_deploy_are_current() -> None:
     for path, text in bus_permissions.rendered().items():
         assert path.read_text() == text, f"{path} is out of date: run `memories nats-auth`"
+
+
+def test_the_bus_users_can_be_rendered_outside_a_checkout(tmp_path: Path) -> None:
+    # An installed package has no deploy/nats/ to write to.
+    target = tmp_path / "nats"
+    assert main(["nats-auth", "--output", str(target)]) == 0
+    assert {path.name: path.read_text() for path in target.iterdir()} == {
+        path.name: text for path, text in bus_permissions.rendered().items()
+    }
+    assert main(["nats-auth", "--output", str(target), "--check"]) == 0
+    (target / "auth.conf").write_text("# edited by hand\n")
+    assert main(["nats-auth", "--output", str(target), "--check"]) == 1
 
 
 def test_every_event_model_is_in_the_asyncapi_document() -> None:
