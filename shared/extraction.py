@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import metrics, registry
+from shared import metrics, registry, write_records
 from shared import repository as repo
 from shared.agents import ExtractionConfig, KnowledgeConfig
 from shared.context import without_reference_context
@@ -354,7 +354,7 @@ class Extractor:
     async def decided(self, write_ids: list[str]) -> bool:
         """Whether the writer has decided each of these writes (applied, or failed): read, not claimed."""
         async with self._sessions() as session:
-            records = await repo.get_write_outcomes(session, write_ids)
+            records = await write_records.get_write_outcomes(session, write_ids)
         return all(record.status != "pending" for record in records.values())
 
     async def record_failure(self, event: GenerationCompleted, reason: str) -> ExtractionResult:

@@ -10,7 +10,7 @@ from pydantic import Field, FilePath, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WRITE_TIMEOUT_MAX_S = 20.0
-"""A caller waits for its write (after up to 5 s to publish it) less than `repository.STALE_PENDING`, after which a
+"""A caller waits for its write (after up to 5 s to publish it) less than `write_records.STALE_PENDING`, after which a
 retry with the same key takes the write over: a longer wait would let the retry republish while the first caller
 still waits."""
 

@@ -24,8 +24,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus
-from shared import repository as repo
+from shared import bus, write_records
 from shared.db.models import WriteOutcome
 from shared.events import MemoryWriteOutcome, MemoryWriteRequested
 from shared.writes import outcome_of
@@ -104,7 +103,7 @@ class WriteGateway:
         deadline = time.monotonic() + timeout
         while True:
             record, owned = await self._claim(event, fingerprint, retry_failed)
-            if repo.claimed_by_another_request(record, fingerprint):
+            if write_records.claimed_by_another_request(record, fingerprint):
                 raise IdempotencyKeyReused(event.write_id)
             if record.status == "applied":
                 return ReplayedOutcome.of(record)
@@ -129,9 +128,9 @@ class WriteGateway:
         self, event: MemoryWriteRequested, fingerprint: str | None, retry_failed: Collection[str] | None
     ) -> tuple[WriteOutcome, bool]:
         """Record the write as pending unless its id is known: the stored record, and whether this call owns
-        the attempt (see `repository.claim_write_id`)."""
+        the attempt (see `write_records.claim_write_id`)."""
         async with self._sessions() as session:
-            claimed = await repo.claim_write_id(
+            claimed = await write_records.claim_write_id(
                 session, event.write_id, event.project_id, event.memory_id, request_hash=fingerprint,
                 retry_failed=retry_failed,
             )
@@ -145,7 +144,7 @@ class WriteGateway:
         never an error for a write that will be applied; the writer's outcome creates the record later."""
         try:
             async with self._sessions() as session:
-                await repo.record_pending_write(session, event.write_id, event.project_id, event.memory_id)
+                await write_records.record_pending_write(session, event.write_id, event.project_id, event.memory_id)
                 await session.commit()
         except SQLAlchemyError:
             log.warning("could not record write %s as pending; it stays queued", event.write_id, exc_info=True)
@@ -156,7 +155,7 @@ class WriteGateway:
         down), a retry publishes it again, as before."""
         try:
             async with self._sessions() as session:
-                await repo.record_published(session, write_id, claimed_at)
+                await write_records.record_published(session, write_id, claimed_at)
                 await session.commit()
         except SQLAlchemyError:
             log.warning("could not record write %s as published", write_id, exc_info=True)
@@ -164,7 +163,7 @@ class WriteGateway:
     async def _release_claim(self, write_id: str) -> None:
         try:
             async with self._sessions() as session:
-                await repo.release_write_claim(session, write_id)
+                await write_records.release_write_claim(session, write_id)
                 await session.commit()
         except SQLAlchemyError:  # the database is down too: the claim goes stale by itself
             log.warning("could not release the claim of write %s", write_id, exc_info=True)
@@ -202,11 +201,11 @@ class WriteGateway:
         pause = _POLL_FIRST_S
         while time.monotonic() < deadline:
             async with self._sessions() as session:
-                record = await repo.get_write_outcome(session, write_id)
+                record = await write_records.get_write_outcome(session, write_id)
             if record is not None and record.status != "pending":
                 return ReplayedOutcome.of(record)
             if record is not None and record.updated_at != claimed_at:
-                # Given up unpublished by its owner (aged by `repository.release_write_claim`), or taken over by
+                # Given up unpublished by its owner (aged by `write_records.release_write_claim`), or taken over by
                 # another caller since: claimed again, to be published here or awaited anew.
                 raise _ClaimChanged
             await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus, registry
+from shared import bus, registry, write_records
 from shared import repository as repo
 from shared.batching import Coalescer
 from shared.db.models import MemoryEntry, WriteOutcome
@@ -42,7 +42,7 @@ from shared.events import (
 from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
 from shared.logs import log_context
-from shared.repository import HistoryRow, OutcomeRow
+from shared.write_records import HistoryRow, OutcomeRow
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
@@ -259,7 +259,7 @@ class WriteApplier:
         batch, being_forgotten = await _forget_forgotten(session, batch, wait=not defer_waits)
         events = [one.event for one in batch]
         # Read once for the batch, under the locks: only this transaction changes these records meanwhile.
-        stored = await repo.get_write_outcomes(session, [event.write_id for event in events])
+        stored = await write_records.get_write_outcomes(session, [event.write_id for event in events])
         memories = await repo.load_memories(session, [event.memory_id for event in events])
         self._remember_policies(memories)
         copies = ExactCopies(await repo.find_exact_copies(session, [(one.event.memory_id, one.digest) for one in batch]))
@@ -400,7 +400,7 @@ class WriteApplier:
     async def _store(session: AsyncSession, decided: Sequence[Decided]) -> None:
         """The batch's outcomes and its audit records, in one statement."""
         outcomes = [one.record for one in decided if one.record is not None]
-        await repo.save_records(session, outcomes, [one.history for one in decided if one.history is not None])
+        await write_records.save_records(session, outcomes, [one.history for one in decided if one.history is not None])
 
     async def _carry_out(
         self,
@@ -481,7 +481,7 @@ class WriteApplier:
             # Under the memory's lock, like a decision: another delivery of this write applying it meanwhile
             # must not be overwritten by this failure (a later retry would then apply it twice).
             await repo.lock_memory(session, event.memory_id)
-            stored = await repo.get_write_outcome(session, event.write_id)
+            stored = await write_records.get_write_outcome(session, event.write_id)
             if stored is not None and stored.status == "applied":
                 return AppliedWrite(outcome_of(stored), None, replayed=True)
             failed = _failure(event, stored, code, message)
@@ -490,10 +490,10 @@ class WriteApplier:
 
     async def fail_pending(self, write_id: str, memory_id: str, code: str, message: str) -> bool:
         """Record as failed a write known only by its ids (its event could not be read); see
-        `repository.fail_pending_write`. No memory lock: the one UPDATE waits for the row lock of a transaction
+        `write_records.fail_pending_write`. No memory lock: the one UPDATE waits for the row lock of a transaction
         storing the write's outcome, then finds it no longer pending."""
         async with self._sessions.begin() as session:
-            return await repo.fail_pending_write(session, write_id, memory_id, code, message)
+            return await write_records.fail_pending_write(session, write_id, memory_id, code, message)
 
 
 class ExactCopies:

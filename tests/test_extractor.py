@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus, registry
+from shared import bus, registry, write_records
 from shared.events import ExtractionSummary, GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.llm import LlmError
@@ -793,13 +793,12 @@ async def test_a_turn_waits_on_its_writes_until_each_is_applied_or_failed(
     sessions: async_sessionmaker[AsyncSession], memory: dict[str, Any]
 ) -> None:
     # What the extractor reads before extracting a turn again whose writes were queued (services.extractor.main).
-    from shared import repository as repo
 
     extractor = Extractor(sessions, gateway=None, llm_timeout=1, write_timeout=1)  # type: ignore[arg-type]
     ids = ["wr_decided_a", "wr_decided_b"]
     async with sessions.begin() as session:
         for write_id in ids:
-            await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+            await write_records.claim_write_id(session, write_id, memory["project_id"], memory["id"])
     assert not await extractor.decided(ids)  # both pending: claimed, on the bus
     async with sessions.begin() as session:
         await session.execute(text("UPDATE write_outcomes SET status = 'applied' WHERE write_id = :id"), {"id": ids[0]})

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from services.writer.handler import PreparedBatch, WriteHandler
 from services.writer.partitions import PartitionConsumer
-from shared import bus, metrics
+from shared import bus, metrics, write_records
 from shared import repository as repo
 from shared import writes as writes_module
 from shared.batching import Coalescer
@@ -316,7 +316,7 @@ def test_the_stored_records_name_every_column_the_writer_sets() -> None:
     """A column added to a table must be added to its record, or every write would store it empty."""
     set_by_server = {"id", "created_at", "updated_at"}
     set_by_the_claim = {"request_hash", "published_at"}  # the gateway's, kept by the writer's upsert (next test)
-    for record, table in ((repo.OutcomeRow, WriteOutcome.__table__), (repo.HistoryRow, EntryHistory.__table__)):
+    for record, table in ((write_records.OutcomeRow, WriteOutcome.__table__), (write_records.HistoryRow, EntryHistory.__table__)):
         assert set(record.__slots__) == {c.key for c in table.columns} - set_by_server - set_by_the_claim
 
 
@@ -327,30 +327,30 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
     claimed, fresh = new_write_id(), new_write_id()
     async with sessions.begin() as session:
         # A pending claim to overwrite, whose client's request hash the writer's record must keep.
-        await repo.claim_write_id(session, claimed, project_id, memory_id, request_hash="h" * 64)
+        await write_records.claim_write_id(session, claimed, project_id, memory_id, request_hash="h" * 64)
     outcomes = [
-        repo.OutcomeRow(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
-        repo.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
-        repo.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
+        write_records.OutcomeRow(claimed, project_id, memory_id, "applied", "skipped", "ent_a", 0.9731, failed_attempts=2),
+        write_records.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message="superseded below"),
+        write_records.OutcomeRow(fresh, project_id, memory_id, "failed", error_code="E", error_message='quote " and \\ ü'),
     ]
     history = [
-        repo.HistoryRow(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
+        write_records.HistoryRow(project_id, memory_id, "ent_a", "skipped", claimed, rule="near", score=0.9731,
                            candidate_ids=["ent_a", "ent_b"], content_after="line\nbreak"),
-        repo.HistoryRow(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
-        repo.HistoryRow(project_id, memory_id, "ent_d", "created", score=float("nan")),  # JSON has no NaN
+        write_records.HistoryRow(project_id, memory_id, "ent_c", "edited", content_before="x", content_after=None),
+        write_records.HistoryRow(project_id, memory_id, "ent_d", "created", score=float("nan")),  # JSON has no NaN
     ]
     async with sessions.begin() as session:
-        await repo.save_records(session, outcomes, history)
+        await write_records.save_records(session, outcomes, history)
     async with sessions() as session:
         stored = {o.write_id: o for o in await session.scalars(select(WriteOutcome).where(WriteOutcome.memory_id == memory_id))}
         audit = list(await session.scalars(
             select(EntryHistory).where(EntryHistory.memory_id == memory_id).order_by(EntryHistory.id)
         ))
     expected = [outcomes[0], outcomes[2]]  # of a write id's records, the last is stored
-    assert [repo.OutcomeRow(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
+    assert [write_records.OutcomeRow(**{k: getattr(stored[o.write_id], k) for k in o.__slots__}) for o in expected] == expected
     assert len(stored) == 2
     assert (stored[claimed].request_hash, stored[fresh].request_hash) == ("h" * 64, None)
-    assert [repo.HistoryRow(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
+    assert [write_records.HistoryRow(**{k: getattr(h, k) for k in history[0].__slots__}) for h in audit] == [
         *history[:2], replace(history[2], score=None)
     ]
 
@@ -464,7 +464,7 @@ class OwnPartition:
 
     async def decided(self, *events: MemoryWriteRequested) -> bool:
         async with self._sessions() as session:
-            stored = await repo.get_write_outcomes(session, [one.write_id for one in events])
+            stored = await write_records.get_write_outcomes(session, [one.write_id for one in events])
         return all(stored.get(one.write_id) is not None for one in events)
 
     async def until_decided(self, *events: MemoryWriteRequested) -> None:

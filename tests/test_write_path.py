@@ -21,7 +21,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared import bus, metrics
+from shared import bus, metrics, write_records
 from shared import repository as repo
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
 from shared.db.session import create_engine, session_factory
@@ -363,7 +363,7 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
     # validate here (a source type this writer does not know).
     write_id = new_write_id()
     async with sessions() as session:
-        await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+        await write_records.claim_write_id(session, write_id, memory["project_id"], memory["id"])
         await session.commit()
     failures = metrics.REGISTRY.get_sample_value("memories_write_failures_total", {"code": "INTERNAL_ERROR"}) or 0.0
     inbox = f"_INBOX.unreadable.{write_id}"
@@ -385,13 +385,13 @@ async def test_a_keyed_write_the_writer_cannot_read_is_failed_not_left_pending(
     assert status["status"] == "failed" and "set aside for an operator" in status["error"]["message"]
     # A retry with the key owns the write again (here: it is refused the same way, never applied twice).
     async with sessions() as session:
-        _, owned = await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+        _, owned = await write_records.claim_write_id(session, write_id, memory["project_id"], memory["id"])
         await session.rollback()
     assert owned
     # A reply subject as broken as the rest of the event: no answer, but the status is still set.
     broken = {**body, "event_id": new_write_id(), "reply_subject": "not a subject"}
     async with sessions() as session:
-        await repo.claim_write_id(session, broken["event_id"], memory["project_id"], memory["id"])
+        await write_records.claim_write_id(session, broken["event_id"], memory["project_id"], memory["id"])
         await session.commit()
     nc = await nats.connect(settings.nats_url)
     try:
@@ -416,15 +416,15 @@ async def test_an_unreadable_event_fails_only_a_pending_record_of_its_own_memory
 ) -> None:
     pending, applied = new_write_id(), new_write_id()
     async with sessions.begin() as session:
-        await repo.claim_write_id(session, pending, memory["project_id"], memory["id"])
-        await repo.save_records(
-            session, [repo.OutcomeRow(applied, memory["project_id"], memory["id"], "applied", "created", "e")], []
+        await write_records.claim_write_id(session, pending, memory["project_id"], memory["id"])
+        await write_records.save_records(
+            session, [write_records.OutcomeRow(applied, memory["project_id"], memory["id"], "applied", "created", "e")], []
         )
     async with sessions.begin() as session:
-        assert not await repo.fail_pending_write(session, applied, memory["id"], "INTERNAL_ERROR", "x")
-        assert not await repo.fail_pending_write(session, pending, "mem_another", "INTERNAL_ERROR", "x")
-        assert not await repo.fail_pending_write(session, new_write_id(), memory["id"], "INTERNAL_ERROR", "x")
-        assert await repo.fail_pending_write(session, pending, memory["id"], "INTERNAL_ERROR", "x")
+        assert not await write_records.fail_pending_write(session, applied, memory["id"], "INTERNAL_ERROR", "x")
+        assert not await write_records.fail_pending_write(session, pending, "mem_another", "INTERNAL_ERROR", "x")
+        assert not await write_records.fail_pending_write(session, new_write_id(), memory["id"], "INTERNAL_ERROR", "x")
+        assert await write_records.fail_pending_write(session, pending, memory["id"], "INTERNAL_ERROR", "x")
     async with sessions() as session:
         stored = {w: await session.get(WriteOutcome, w) for w in (pending, applied)}
     assert stored[applied] is not None and stored[applied].status == "applied"
@@ -496,13 +496,13 @@ async def test_a_failure_recorded_while_another_delivery_applies_the_write_keeps
     event = MemoryWriteRequested(
         event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Raced"
     )
-    applied = repo.OutcomeRow(event.write_id, event.project_id, event.memory_id, "applied", "created", "mem_entry_x")
+    applied = write_records.OutcomeRow(event.write_id, event.project_id, event.memory_id, "applied", "created", "mem_entry_x")
     async with sessions.begin() as session:
         # Another delivery of the same write is deciding it under the memory's lock.
         await repo.lock_memory(session, memory["id"])
         failing = asyncio.create_task(WriteApplier(sessions, unused, "m").record_failure(event, "INTERNAL_ERROR", "x"))
         await wait_until_blocked_by(session, "recording the failure")
-        await repo.save_records(session, [applied], [])
+        await write_records.save_records(session, [applied], [])
     result = await failing
     assert result.replayed and result.outcome.action == "created"
     async with sessions() as session:
@@ -517,7 +517,7 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
         event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Parcels leave at noon"
     )
     async with sessions() as session:  # another request with the same key owns the write
-        await repo.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        await write_records.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
         await session.commit()
     nc = await nats.connect(settings.nats_url)
     gateway = WriteGateway(nc, sessions, settings.memories_partitions)
@@ -527,7 +527,7 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
         await asyncio.sleep(0.3)
         assert not waiting.done()
         async with sessions() as session:  # its owner could not publish (NATS down): a 503, and the claim given up
-            await repo.release_write_claim(session, event.write_id)
+            await write_records.release_write_claim(session, event.write_id)
             await session.commit()
         # Before, this caller waited out its timeout and answered 202 for a write nobody had published.
         outcome = await waiting
@@ -569,10 +569,10 @@ async def test_a_retry_waits_for_its_queued_write_instead_of_publishing_it_again
     await gateway.start()
     try:
         assert await gateway.submit(event, timeout=0.5, client_key=True) is None  # a 202: queued
-        await age_claim(2 * repo.STALE_PENDING)
+        await age_claim(2 * write_records.STALE_PENDING)
         assert await gateway.submit(event, timeout=0.5, client_key=True) is None
         assert len(published) == 1  # waited for, not published again
-        await age_claim(repo.STALE_PUBLISHED)  # lost from the stream, perhaps: after so long, published again
+        await age_claim(write_records.STALE_PUBLISHED)  # lost from the stream, perhaps: after so long, published again
         assert await gateway.submit(event, timeout=0.5, client_key=True) is None
         assert len(published) == 2
     finally:
@@ -590,7 +590,7 @@ async def test_a_late_record_of_a_publish_leaves_a_newer_claim_alone(
 
     async def claim() -> datetime:
         async with sessions() as session:
-            record, owned = await repo.claim_write_id(session, write_id, memory["project_id"], memory["id"])
+            record, owned = await write_records.claim_write_id(session, write_id, memory["project_id"], memory["id"])
             assert owned
             claimed_at = record.updated_at
             await session.commit()
@@ -602,16 +602,16 @@ async def test_a_late_record_of_a_publish_leaves_a_newer_claim_alone(
 
     first = await claim()
     async with sessions() as session:
-        assert await repo.fail_pending_write(session, write_id, memory["id"], "EMBEDDING_UNAVAILABLE", "down")
+        assert await write_records.fail_pending_write(session, write_id, memory["id"], "EMBEDDING_UNAVAILABLE", "down")
         await session.commit()
     retried = await claim()
     for claimed_at, recorded in ((first, False), (retried, True)):
         async with sessions() as session:
-            await repo.record_published(session, write_id, claimed_at)
+            await write_records.record_published(session, write_id, claimed_at)
             await session.commit()
         assert (await published_at() is not None) == recorded
     async with sessions() as session:  # the retry's publish refused after all: the next retry publishes at once
-        await repo.release_write_claim(session, write_id)
+        await write_records.release_write_claim(session, write_id)
         await session.commit()
     assert await published_at() is None
     await claim()
@@ -627,16 +627,16 @@ async def test_a_caller_waiting_on_another_callers_attempt_reads_its_record_less
         event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Waiting for it"
     )
     async with sessions() as session:  # another caller owns the attempt, and never finishes it
-        await repo.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        await write_records.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
         await session.commit()
     reads = []
-    read = repo.get_write_outcome
+    read = write_records.get_write_outcome
 
     async def counted(session: AsyncSession, write_id: str) -> Any:
         reads.append(write_id)
         return await read(session, write_id)
 
-    monkeypatch.setattr(repo, "get_write_outcome", counted)
+    monkeypatch.setattr(write_records, "get_write_outcome", counted)
     nc = await nats.connect(settings.nats_url)
     gateway = WriteGateway(nc, sessions, settings.memories_partitions)
     await gateway.start()
@@ -660,8 +660,8 @@ async def test_a_write_failed_for_good_is_not_tried_again_by_a_caller_that_retri
     given_up, refused = fact("Set aside for an operator"), fact("Refused while the embedder was down")
     async with sessions() as session:
         for event, code in ((given_up, "INTERNAL_ERROR"), (refused, "EMBEDDING_UNAVAILABLE")):
-            await repo.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
-            assert await repo.fail_pending_write(session, event.write_id, event.memory_id, code, "failed")
+            await write_records.claim_write_id(session, event.write_id, event.project_id, event.memory_id)
+            assert await write_records.fail_pending_write(session, event.write_id, event.memory_id, code, "failed")
         await session.commit()
     nc = await nats.connect(settings.nats_url)
     gateway = WriteGateway(nc, sessions, settings.memories_partitions)
@@ -679,7 +679,7 @@ async def test_a_write_failed_for_good_is_not_tried_again_by_a_caller_that_retri
 
 def test_a_caller_waits_for_its_write_less_than_a_retry_waits_to_take_it_over() -> None:
     # Longer, and a retry with the same key would republish the write while its first caller still waits for it.
-    assert timedelta(seconds=bus.PUBLISH_TIMEOUT_S + WRITE_TIMEOUT_MAX_S) < repo.STALE_PENDING
+    assert timedelta(seconds=bus.PUBLISH_TIMEOUT_S + WRITE_TIMEOUT_MAX_S) < write_records.STALE_PENDING
     with pytest.raises(ValidationError):
         Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S + 1)
     assert Settings(memories_write_timeout_s=WRITE_TIMEOUT_MAX_S).memories_write_timeout_s == WRITE_TIMEOUT_MAX_S

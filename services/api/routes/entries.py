@@ -24,7 +24,7 @@ from services.api.schemas import (
     Timestamp,
     WriteAccepted,
 )
-from shared import bus
+from shared import bus, write_records
 from shared import repository as repo
 from shared.db.models import MemoryEntry
 from shared.embeddings import EmbeddingError, embed_texts
@@ -45,9 +45,9 @@ from shared.ids import (
     new_id,
     new_write_id,
 )
-from shared.repository import HistoryRow
 from shared.settings import Settings
 from shared.write_gateway import IdempotencyKeyReused, ReplayedOutcome
+from shared.write_records import HistoryRow
 
 router = APIRouter(prefix="/memory-entries", tags=["memory entries"], route_class=CheckedRoute)
 
@@ -244,7 +244,7 @@ class History(BaseModel):
 )
 async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> History:
     entry = await load_entry(session, scope(principal), entry_id)
-    records = await repo.list_history(session, entry.id)
+    records = await write_records.list_history(session, entry.id)
     return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])
 
 
@@ -294,7 +294,7 @@ async def update_entry(
         return EntryOut.of(entry)
     entry = await repo.update_entry(session, entry, changes)
     record = _edit_record(entry, "edited", before, entry.content, rule=f"changed:{','.join(changed)}")
-    await repo.save_records(session, [], [record])
+    await write_records.save_records(session, [], [record])
     await session.commit()
     await _announce(request, entry, EntryChangeKind.UPDATED)
     return EntryOut.of(entry)
@@ -337,7 +337,7 @@ async def _embedding(content: str, settings: Settings) -> list[float]:
 async def delete_entry(entry_id: str, request: Request, session: SessionDep, principal: PrincipalDep) -> Response:
     entry = await load_entry(session, scope(principal), entry_id)
     entry = await _locked(session, entry.memory_id, entry.id)
-    await repo.save_records(session, [], [_edit_record(entry, "deleted", None, None)])  # its text goes with it
+    await write_records.save_records(session, [], [_edit_record(entry, "deleted", None, None)])  # its text goes with it
     await repo.delete_entry(session, entry)
     await session.commit()
     await _announce(request, entry, EntryChangeKind.DELETED)
