@@ -55,17 +55,21 @@ def _command(name: str, build: Any) -> Any:
 
 
 def nats_auth(args: argparse.Namespace) -> int:
-    from shared.bus_permissions import rendered
+    from shared.bus_permissions import DEPLOY_NATS, rendered
 
     # Outside a checkout (an installed package) there is no deploy/nats/ to write to: --output names a directory.
+    if not args.output and not DEPLOY_NATS.is_dir():
+        print("memories nats-auth: not run in a checkout (no deploy/nats/): give --output DIR", file=sys.stderr)
+        return 2
     files = {Path(args.output) / path.name if args.output else path: text for path, text in rendered().items()}
     stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
     if args.check:
+        again = f"memories nats-auth --output {args.output}" if args.output else "memories nats-auth"
         for path in stale:
-            print(f"{path} is out of date: run `memories nats-auth`", file=sys.stderr)
+            print(f"{path} is out of date: run `{again}`", file=sys.stderr)
         return 1 if stale else 0
     for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # only --output's can be missing
         path.write_text(text)
         print(f"wrote {path}")
     return 0

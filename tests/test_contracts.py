@@ -8,6 +8,8 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from services.cli import main
 from services.cli_contracts import DOCS, asyncapi, openapi, render
 from shared import bus_permissions, events
@@ -26,7 +28,9 @@ def test_the_bus_users_in_deploy_are_current() -> None:
         assert path.read_text() == text, f"{path} is out of date: run `memories nats-auth`"
 
 
-def test_the_bus_users_can_be_rendered_outside_a_checkout(tmp_path: Path) -> None:
+def test_the_bus_users_can_be_rendered_outside_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # An installed package has no deploy/nats/ to write to.
     target = tmp_path / "nats"
     assert main(["nats-auth", "--output", str(target)]) == 0
@@ -36,6 +40,10 @@ def test_the_bus_users_can_be_rendered_outside_a_checkout(tmp_path: Path) -> Non
     assert main(["nats-auth", "--output", str(target), "--check"]) == 0
     (target / "auth.conf").write_text("# edited by hand\n")
     assert main(["nats-auth", "--output", str(target), "--check"]) == 1
+    # Without --output, an installed package (no deploy/nats/ beside it) is told to give one, not written into.
+    monkeypatch.setattr(bus_permissions, "DEPLOY_NATS", tmp_path / "site-packages" / "deploy" / "nats")
+    assert main(["nats-auth"]) == 2
+    assert "--output" in capsys.readouterr().err and not (tmp_path / "site-packages").exists()
 
 
 def test_every_event_model_is_in_the_asyncapi_document() -> None:
