@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from services.api.limits import MAX_HEAD_BYTES
-from services.cli import _models_line
+from services.cli_up import _models_line
 from shared.servers import LOCAL_RUN_NATS_FILE, free_port
 from shared.settings import Settings
 from tests.conftest import raw_exchange
@@ -163,7 +163,7 @@ def test_the_api_is_stopped_before_the_services_that_decide_its_writes() -> None
             events.append(f"{self.args} killed")
             self.stops_in_s = 0
 
-    from services.cli import _stop_services
+    from services.cli_up import _stop_services
 
     api, writer, extractor = Service("api", 18), Service("writer", 1), Service("extractor", 1)
     _stop_services([api, writer, extractor], api_grace_s=25)  # type: ignore[list-item]
@@ -178,7 +178,7 @@ def test_the_api_is_stopped_before_the_services_that_decide_its_writes() -> None
 def test_a_second_ctrl_c_while_stopping_kills_what_still_runs() -> None:
     """In their own process group the services no longer hear the terminal: a second Ctrl-C reached nobody and
     `up` waited out every grace (up to 30 s)."""
-    from services.cli import _stop_services
+    from services.cli_up import _stop_services
 
     killed: list[str] = []
     before = signal.getsignal(signal.SIGINT)
@@ -244,7 +244,7 @@ def test_up_exits_as_a_shell_says_a_service_was_killed() -> None:
     # A writer killed by SIGKILL made `up` exit with -9, which the shell reads as 247.
     from types import SimpleNamespace
 
-    from services.cli import _supervise
+    from services.cli_up import _supervise
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
