@@ -18,7 +18,6 @@ from shared.settings import Settings, get_settings
 log = logging.getLogger("memories")
 
 
-
 def _configure_logging() -> None:
     from pydantic import ValidationError
 

@@ -106,14 +106,30 @@ def resolve_format(setting: str, stream: TextIO) -> str:
     return "text" if isatty is not None and isatty() else "json"
 
 
+class _CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to `sys.stderr` as it is when a line is logged, as logging's own last-resort handler does. Bound to the
+    stream of the moment it was made, a command run in-process (tests call `main([...])`) left the root logger writing
+    to that test's captured stream, closed by the next test."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _stream: TextIO) -> None:
+        pass
+
+
 def configure(log_format: str = "auto", level: int = logging.INFO, stream: TextIO | None = None) -> str:
     """Replace the root logger's handlers with one that writes `log_format` to `stream` (stderr).
 
     Returns the format chosen.
     """
-    target = stream if stream is not None else sys.stderr
-    chosen = resolve_format(log_format, target)
-    handler = logging.StreamHandler(target)
+    chosen = resolve_format(log_format, stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderrHandler()
     handler.setFormatter(JsonFormatter() if chosen == "json" else TextFormatter())
     handler.addFilter(ContextFilter())
     root = logging.getLogger()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import socket
@@ -109,22 +108,6 @@ class WriterWithoutEmbedder:
 
     async def submit(self, event: MemoryWriteRequested, **_options: Any) -> MemoryWriteOutcome:
         return (await self._applier.apply(event)).outcome
-
-
-@pytest.fixture(autouse=True)
-def _root_logger_left_as_found() -> Iterator[None]:
-    """A test that runs a command in-process (`main([...])`) points the root logger at that test's captured stderr;
-    left there, a later test's log lines (an API in a thread) went to a closed stream, as "--- Logging error ---"
-    tracebacks in that test's stderr."""
-    root = logging.getLogger()
-    ours = lambda handler: not type(handler).__module__.startswith("_pytest")
-    before = [handler for handler in root.handlers if ours(handler)]
-    yield
-    for handler in [handler for handler in root.handlers if ours(handler) and handler not in before]:
-        root.removeHandler(handler)
-    for handler in before:
-        if handler not in root.handlers:
-            root.addHandler(handler)
 
 
 def make_settings(server_urls: tuple[str, str], **overrides: Any) -> Settings:

@@ -233,3 +233,19 @@ async def test_a_model_steps_line_names_the_write_and_the_memory(
     [failed] = [line for line in parsed_lines(json_lines) if line.get("logger") == "memories.llm"]
     assert "merge completion" in failed["message"]
     assert failed["memory_id"] == memory["id"] and str(failed.get("write_id", "")).startswith("wr_")
+
+
+def test_the_log_goes_to_standard_error_as_it_is_when_a_line_is_logged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bound to the stream of the moment `configure` ran, the root logger of a test that ran `main([...])` wrote into
+    # that test's captured stderr after it was closed: "--- Logging error ---" tracebacks in a later test's output.
+    root = logging.getLogger()
+    kept = root.handlers[:]
+    try:
+        monkeypatch.setattr(sys, "stderr", io.StringIO())
+        configure("text")
+        now = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", now)
+        logging.getLogger("memories.test").warning("after stderr changed")
+        assert "after stderr changed" in now.getvalue()
+    finally:
+        root.handlers[:] = kept
