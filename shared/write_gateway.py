@@ -118,7 +118,7 @@ class WriteGateway:
                 event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
             )
         except bus.BusUnavailable:
-            await self._release_claim(event.write_id)
+            await self._release_claim(event.write_id, claimed_at=record.updated_at)
             raise
         if outcome is None:
             await self._record_published(event.write_id, claimed_at=record.updated_at)
@@ -160,10 +160,10 @@ class WriteGateway:
         except SQLAlchemyError:
             log.warning("could not record write %s as published", write_id, exc_info=True)
 
-    async def _release_claim(self, write_id: str) -> None:
+    async def _release_claim(self, write_id: str, *, claimed_at: datetime) -> None:
         try:
             async with self._sessions() as session:
-                await write_records.release_write_claim(session, write_id)
+                await write_records.release_write_claim(session, write_id, claimed_at)
                 await session.commit()
         except SQLAlchemyError:  # the database is down too: the claim goes stale by itself
             log.warning("could not release the claim of write %s", write_id, exc_info=True)

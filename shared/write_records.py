@@ -164,12 +164,13 @@ async def fail_pending_write(session: AsyncSession, write_id: str, memory_id: st
     return failed is not None
 
 
-async def release_write_claim(session: AsyncSession, write_id: str) -> None:
-    """The owner of a pending write could not publish it: age the claim so the next retry owns it at once
-    instead of after STALE_PENDING. A publish that did land is harmless: the retry reuses its message id."""
+async def release_write_claim(session: AsyncSession, write_id: str, claimed_at: datetime) -> None:
+    """The owner of the claim made at `claimed_at` could not publish it: age the claim so the next retry owns it at
+    once instead of after STALE_PENDING. A publish that did land is harmless: the retry reuses its message id. A
+    later claim (the write failed meanwhile, and a retry claimed it) is not this owner's to release."""
     await session.execute(
         update(WriteOutcome)
-        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending")
+        .where(WriteOutcome.write_id == write_id, WriteOutcome.status == "pending", WriteOutcome.updated_at == claimed_at)
         .values(updated_at=func.now() - 2 * STALE_PENDING, published_at=None)
     )
 

@@ -517,7 +517,8 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
         event_id=new_write_id(), project_id=memory["project_id"], memory_id=memory["id"], content="Parcels leave at noon"
     )
     async with sessions() as session:  # another request with the same key owns the write
-        await write_records.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        claim, _owned = await write_records.claim_write_id(session, event.write_id, memory["project_id"], memory["id"])
+        claimed_at = claim.updated_at
         await session.commit()
     nc = await nats.connect(settings.nats_url)
     gateway = WriteGateway(nc, sessions, settings.memories_partitions)
@@ -527,7 +528,7 @@ async def test_a_caller_waiting_on_a_claim_its_owner_gave_up_publishes_the_write
         await asyncio.sleep(0.3)
         assert not waiting.done()
         async with sessions() as session:  # its owner could not publish (NATS down): a 503, and the claim given up
-            await write_records.release_write_claim(session, event.write_id)
+            await write_records.release_write_claim(session, event.write_id, claimed_at)
             await session.commit()
         # Before, this caller waited out its timeout and answered 202 for a write nobody had published.
         outcome = await waiting
@@ -581,7 +582,7 @@ async def test_a_retry_waits_for_its_queued_write_instead_of_publishing_it_again
         await nc.close()
 
 
-async def test_a_late_record_of_a_publish_leaves_a_newer_claim_alone(
+async def test_a_late_record_or_release_of_a_claim_leaves_a_newer_claim_alone(
     memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
     # A caller timed out, the writer failed its attempt, a retry claimed the write again: the first caller's late
@@ -610,8 +611,12 @@ async def test_a_late_record_of_a_publish_leaves_a_newer_claim_alone(
             await write_records.record_published(session, write_id, claimed_at)
             await session.commit()
         assert (await published_at() is not None) == recorded
+    async with sessions() as session:  # the first caller's late release: not its claim any more
+        await write_records.release_write_claim(session, write_id, first)
+        await session.commit()
+    assert await published_at() is not None
     async with sessions() as session:  # the retry's publish refused after all: the next retry publishes at once
-        await write_records.release_write_claim(session, write_id)
+        await write_records.release_write_claim(session, write_id, retried)
         await session.commit()
     assert await published_at() is None
     await claim()
