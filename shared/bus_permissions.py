@@ -68,6 +68,16 @@ def _consumers_of(role: str) -> list[str]:
     return [subject for stream, durable in sorted(owned) for subject in _consumes(stream, durable)]
 
 
+def user_name(role: str) -> str:
+    """The NATS user a service of this role logs in as (NATS_USER)."""
+    return f"memories-{role}"
+
+
+def inboxes_of(role: str) -> str:
+    """The subjects a role's replies come on, only its own user's to read."""
+    return f"{bus_connection.inbox_prefix(user_name(role))}.>"
+
+
 @dataclass(frozen=True)
 class BusUser:
     role: str
@@ -77,11 +87,11 @@ class BusUser:
 
     @property
     def user(self) -> str:
-        return f"memories-{self.role}"
+        return user_name(self.role)
 
     @property
     def inboxes(self) -> str:
-        return f"{bus_connection.inbox_prefix(self.user)}.>"
+        return inboxes_of(self.role)
 
     @property
     def password_variable(self) -> str:
@@ -95,7 +105,6 @@ class BusUser:
 
 
 _TURNS = [f"{bus.GENERATION_COMPLETED_ROOT}.*", f"{bus.GENERATION_DELETED_ROOT}.*", f"{bus.CONVERSATION_DELETED_ROOT}.*"]
-API, WRITER, EXTRACTOR = (bus_connection.inbox_prefix(f"memories-{role}") for role in ("api", "writer", "extractor"))
 
 USERS = (
     BusUser(
@@ -106,7 +115,7 @@ USERS = (
             f"{bus.GENERATION_COMPLETED_ROOT}.*",
             f"{bus.EVENT_SUBJECT_ROOT}.>",
             bus.API_KEY_REVOKED_SUBJECT,
-            f"{API}.>",  # answering another API process's revocation broadcast
+            inboxes_of("api"),  # answering another API process's revocation broadcast
         ],
         subscribes=[bus.API_KEY_REVOKED_SUBJECT],
     ),
@@ -117,8 +126,8 @@ USERS = (
             *_consumers_of("writer"),
             f"{bus.EVENT_SUBJECT_ROOT}.>",
             f"{bus.DEAD_LETTER_ROOT}.writer",
-            f"{API}.>",  # a write's outcome, to the process that published it
-            f"{EXTRACTOR}.>",
+            inboxes_of("api"),  # a write's outcome, to the process that published it
+            inboxes_of("extractor"),
         ],
     ),
     BusUser(
