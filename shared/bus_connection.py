@@ -68,13 +68,14 @@ def connection_options(settings: Settings | None, *, name: str) -> dict[str, Any
     }
     if settings is not None and settings.nats_user:
         options["inbox_prefix"] = inbox_prefix(settings.nats_user)
-    return {**options, **tls_options(settings)}
+    return options
 
 
 def tls_options(settings: Settings | None) -> dict[str, Any]:
     """nats-py's TLS arguments: how the servers' certificates are checked and the certificate this process shows,
     when the settings name either (else nats-py's default, the system's authorities, when a server asks for TLS),
-    and whether TLS starts before the server says anything."""
+    and whether TLS starts before the server says anything. FastStream takes them in its security object instead
+    (`ConsumerProcess`), with the login, as `login` gives them to nats-py."""
     if settings is None:
         return {}
     options: dict[str, Any] = {"tls_handshake_first": True} if settings.nats_tls_handshake_first else {}
@@ -122,7 +123,9 @@ async def connect(url: str, *, name: str, one_shot: bool = False, settings: Sett
 
     nc = NatsClient()
     options = {**connection_options(settings, name=name), "max_reconnect_attempts": 3, "connect_timeout": 2}
-    connecting = asyncio.ensure_future(nc.connect(servers=servers, **{**options, "error_cb": quiet}, **login(settings)))
+    connecting = asyncio.ensure_future(
+        nc.connect(servers=servers, **{**options, "error_cb": quiet}, **tls_options(settings), **login(settings))
+    )
     try:
         await _connected_unless(connecting, hung, BusUnreachable)
         return nc
@@ -274,7 +277,7 @@ async def _connect_service(servers: list[str], name: str, settings: Settings | N
             stop_this_process()
 
     options = {**connection_options(settings, name=name), "error_cb": on_error, "closed_cb": on_closed}
-    connecting = asyncio.ensure_future(nc.connect(servers=servers, **options, **login(settings)))
+    connecting = asyncio.ensure_future(nc.connect(servers=servers, **options, **tls_options(settings), **login(settings)))
     try:
         await _connected_unless(connecting, refused, BusRefused)
         connected = True

@@ -39,7 +39,8 @@ class ConsumerProcess:
         login = bus_connection.login(settings)
         options = bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers")
         # FastStream takes the login and the TLS arguments as one security object, not as nats-py's arguments.
-        tls = {"ssl_context": options.pop("tls", None), "tls_handshake_first": options.pop("tls_handshake_first", False)}
+        tls_options = bus_connection.tls_options(settings)
+        tls = {"ssl_context": tls_options.get("tls"), "tls_handshake_first": tls_options.get("tls_handshake_first", False)}
         security = (
             NatsUserPassword(login["user"], login["password"], **tls) if login
             else NatsSecurity(**tls) if any(tls.values()) else None
