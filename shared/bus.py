@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -297,27 +298,24 @@ class StreamLaidOutUnlike(ConfiguredUnlike):
     """A service logged in as its NATS user found a stream unlike its version's layout, which only the admin updates."""
 
 
-_DURATIONS = ("max_age", "duplicate_window")
-
-
 def _settings_unlike(existing: StreamConfig, wanted: StreamConfig) -> list[str]:
     """The settings the layout gives a stream that it does not have. The server fills in the others (a duplicate
     window left at 0, metadata of its own): only what the layout sets apart from nats-py's defaults is compared,
-    durations to the millisecond (a fraction of a second comes back from the server off by a nanosecond)."""
-    current = existing.as_dict()
-    chosen = {f.name for f in dataclasses.fields(wanted) if getattr(wanted, f.name) != f.default}
+    durations (seconds) to the millisecond (a fraction of a second comes back from the server off by a nanosecond).
+    A setting a later layout leaves at its default again is not compared: `bus init` applies that."""
     unlike = []
-    for key, value in wanted.as_dict().items():
-        if key not in chosen:
+    for setting in dataclasses.fields(wanted):
+        value, current = getattr(wanted, setting.name), getattr(existing, setting.name)
+        if value == setting.default:
             continue
-        if key == "metadata":
-            same = value.items() <= (current.get(key) or {}).items()
-        elif key in _DURATIONS:
-            same = current.get(key) is not None and abs(current[key] - value) < 1_000_000
+        if setting.name == "metadata":
+            same = value.items() <= (current or {}).items()
+        elif isinstance(value, float) or isinstance(current, float):
+            same = current is not None and math.isclose(current, value, abs_tol=1e-3)
         else:
-            same = current.get(key) == value
+            same = current == value
         if not same:
-            unlike.append(key)
+            unlike.append(setting.name)
     return unlike
 
 
