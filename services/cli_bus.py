@@ -85,7 +85,7 @@ def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
     when writes of the old count are still queued; None once laid out."""
 
     async def apply(js: JetStreamContext) -> None:
-        await bus.ensure_layout(js, settings, as_bus_init=True)
+        await bus.ensure_layout(js, settings, bus.Role.ADMIN)
         await bus_admin.prune_consumers(js, settings)
         if released := await bus_admin.release_held_writes(js, settings):
             log.info("%d writes the last run's writer held are queued again, in order", released)
@@ -104,7 +104,7 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
     settings = get_settings()
 
     async def apply(js: JetStreamContext) -> bool:
-        await bus.ensure_layout(js, settings, as_bus_init=True)
+        await bus.ensure_layout(js, settings, bus.Role.ADMIN)
         return True
 
     try:

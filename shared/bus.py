@@ -16,6 +16,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import nats
@@ -105,10 +106,46 @@ def dead_letter_subject(origin: str) -> str:
     return f"{DEAD_LETTER_ROOT}.{origin}"
 
 
+class Role(StrEnum):
+    """Who lays out the bus: the admin (`memories bus init`, the init Job) or a service, each with a NATS user of
+    its own (shared.bus_permissions)."""
+
+    ADMIN = "admin"
+    API = "api"
+    WRITER = "writer"
+    EXTRACTOR = "extractor"
+
+
+@dataclass(frozen=True)
+class OwnedConsumer:
+    """A durable consumer and the service that consumes it: that service alone lays it out and pulls from it
+    (shared.bus_permissions gives its user the right to, and no other user)."""
+
+    stream: str
+    owner: Role
+    config: ConsumerConfig
+
+    @property
+    def durable(self) -> str:
+        return self.config.durable_name or ""
+
+    @property
+    def subject(self) -> str:
+        return self.config.filter_subject or ""
+
+
 @dataclass(frozen=True)
 class Layout:
     streams: list[StreamConfig]
-    consumers: dict[str, list[ConsumerConfig]]
+    consumers: list[OwnedConsumer]
+
+    def consumers_of(self, role: Role) -> list[OwnedConsumer]:
+        """What `role` lays out: the consumers it consumes; the admin's, every one."""
+        return [consumer for consumer in self.consumers if role in (Role.ADMIN, consumer.owner)]
+
+    def consumer(self, durable: str) -> OwnedConsumer:
+        (found,) = (consumer for consumer in self.consumers if consumer.durable == durable)
+        return found
 
 
 def layout(settings: Settings) -> Layout:
@@ -171,14 +208,26 @@ def layout(settings: Settings) -> Layout:
             max_deliver=-1,  # as for the writers: the handler decides when a message is poison
         )
 
-    generation_consumers = [
-        shared_consumer(EXTRACTOR_DURABLE, f"{GENERATION_COMPLETED_ROOT}.*", 256),
-        shared_consumer(WRITER_GENERATION_DELETIONS, f"{GENERATION_DELETED_ROOT}.*", 64),
-        shared_consumer(WRITER_CONVERSATION_DELETIONS, f"{CONVERSATION_DELETED_ROOT}.*", 64),
-    ]
     return Layout(
         streams=[writes, events, generations, dead],
-        consumers={WRITES_STREAM: writers, GENERATIONS_STREAM: generation_consumers},
+        consumers=[
+            *(OwnedConsumer(WRITES_STREAM, Role.WRITER, writer) for writer in writers),
+            OwnedConsumer(
+                GENERATIONS_STREAM,
+                Role.EXTRACTOR,
+                shared_consumer(EXTRACTOR_DURABLE, f"{GENERATION_COMPLETED_ROOT}.*", 256),
+            ),
+            OwnedConsumer(
+                GENERATIONS_STREAM,
+                Role.WRITER,
+                shared_consumer(WRITER_GENERATION_DELETIONS, f"{GENERATION_DELETED_ROOT}.*", 64),
+            ),
+            OwnedConsumer(
+                GENERATIONS_STREAM,
+                Role.WRITER,
+                shared_consumer(WRITER_CONVERSATION_DELETIONS, f"{CONVERSATION_DELETED_ROOT}.*", 64),
+            ),
+        ],
     )
 
 
@@ -234,30 +283,17 @@ class PartitionCountMismatch(ConfiguredUnlike):
     writer consumes, or a memory's writes on two partitions (out of order)."""
 
 
-def consumes(role: str, stream: str, durable: str) -> bool:
-    """Whether the service of this role (`api`, `writer`, `extractor`) consumes this durable consumer: it alone lays
-    it out and pulls from it (shared.bus_permissions gives it the right to, and no other service)."""
-    if role == "writer":
-        return stream == WRITES_STREAM or durable in (WRITER_GENERATION_DELETIONS, WRITER_CONVERSATION_DELETIONS)
-    return role == "extractor" and durable == EXTRACTOR_DURABLE
-
-
-async def ensure_layout(
-    js: JetStreamContext,
-    settings: Settings,
-    attempts: int = 5,
-    *,
-    as_bus_init: bool = False,
-    consumers_of: str | None = None,
-) -> None:
+async def ensure_layout(js: JetStreamContext, settings: Settings, role: Role, attempts: int = 5) -> None:
     """Apply the layout; retried, because services starting together on a cluster race to apply it and a
-    stream's leader may still be in election. Only `memories bus init` (`as_bus_init`) changes the partition
-    count the bus was laid out for (a service configured for another one raises PartitionCountMismatch) and
-    updates every stream; a service updates one only if it is unlike its version and no NATS user is configured.
-    A service (`consumers_of`: its role) applies the streams and its own consumers only."""
+    stream's leader may still be in election.
+
+    The admin applies all of it: every stream updated to this version's settings, every consumer, and the partition
+    count changed (once MEMORY_WRITES is drained). A service applies the streams and the consumers it consumes; it
+    raises PartitionCountMismatch when configured for another partition count than the bus, and updates a stream
+    only if it is unlike its version and no NATS user is configured (a service's user may not)."""
     for attempt in range(1, attempts + 1):
         try:
-            await _apply_layout(js, settings, as_bus_init=as_bus_init, consumers_of=consumers_of)
+            await _apply_layout(js, settings, role)
             return
         except (TimeoutError, nats.errors.Error) as exc:
             if attempt == attempts:
@@ -266,10 +302,8 @@ async def ensure_layout(
             await asyncio.sleep(0.5 * attempt)
 
 
-async def _apply_layout(
-    js: JetStreamContext, settings: Settings, *, as_bus_init: bool, consumers_of: str | None
-) -> None:
-    await _check_partitions(js, settings, as_bus_init=as_bus_init)
+async def _apply_layout(js: JetStreamContext, settings: Settings, role: Role) -> None:
+    await _check_partitions(js, settings, may_change=role is Role.ADMIN)
     plan = layout(settings)
     for stream in plan.streams:
         try:
@@ -277,7 +311,7 @@ async def _apply_layout(
         except NotFoundError:
             await js.add_stream(stream)
             continue
-        if as_bus_init:  # `memories bus init`: the layout as this version has it, whatever the stream holds
+        if role is Role.ADMIN:  # the layout as this version has it, whatever the stream holds
             await js.update_stream(stream)
         elif unlike := _settings_unlike(existing.config, stream):
             if settings.nats_user:
@@ -288,10 +322,8 @@ async def _apply_layout(
                     "version's `memories bus init` as the admin user first (docs/operations.md)"
                 )
             await js.update_stream(stream)
-    for stream_name, consumers in plan.consumers.items():
-        for consumer in consumers:
-            if consumers_of is None or consumes(consumers_of, stream_name, consumer.durable_name or ""):
-                await _ensure_consumer(js, stream_name, consumer)
+    for consumer in plan.consumers_of(role):
+        await _ensure_consumer(js, consumer.stream, consumer.config)
 
 
 class StreamLaidOutUnlike(ConfiguredUnlike):
@@ -321,16 +353,16 @@ def _settings_unlike(existing: StreamConfig, wanted: StreamConfig) -> list[str]:
 
 async def check_partitions(js: JetStreamContext, settings: Settings) -> None:
     """Raises PartitionCountMismatch unless the bus is laid out for MEMORIES_PARTITIONS (or not laid out yet)."""
-    await _check_partitions(js, settings, as_bus_init=False)
+    await _check_partitions(js, settings, may_change=False)
 
 
-async def _check_partitions(js: JetStreamContext, settings: Settings, *, as_bus_init: bool) -> None:
+async def _check_partitions(js: JetStreamContext, settings: Settings, *, may_change: bool) -> None:
     """A service starts only with the count the bus is laid out for; `memories bus init` changes it only once
     MEMORY_WRITES is drained (a queued write would land on a partition that changed, or on none)."""
     recorded = await recorded_partitions(js)
     if recorded in (None, settings.memories_partitions):
         return
-    if not as_bus_init:
+    if not may_change:
         raise PartitionCountMismatch(
             f"MEMORIES_PARTITIONS is {settings.memories_partitions} here, but the bus is laid out for {recorded} "
             "partitions: configure every service alike, or change the count as docs/operations.md says"

@@ -14,6 +14,7 @@ from shared.bus import (
     WRITE_SUBJECT_ROOT,
     WRITES_STREAM,
     PartitionCountMismatch,
+    Role,
     ensure_layout,
     layout,
     listing_order,
@@ -63,7 +64,7 @@ async def bus_status(js: JetStreamContext, settings: Settings) -> BusStatus:
     """Every durable consumer of the layout's streams as JetStream reports it now (`memories bus status`)."""
     partitions = await recorded_partitions(js)
     plan = layout(settings)
-    planned = {(stream, config.durable_name) for stream, configs in plan.consumers.items() for config in configs}
+    planned = {(consumer.stream, consumer.durable) for consumer in plan.consumers}
     states, queued, stranded = [], 0, []
     for stream in plan.streams:
         name = stream.name or ""
@@ -185,5 +186,5 @@ async def release_held_writes(js: JetStreamContext, settings: Settings) -> int:
             await js.delete_consumer(WRITES_STREAM, info.name)
             released += info.num_ack_pending
     if released:
-        await ensure_layout(js, settings)  # the consumers deleted, made anew
+        await ensure_layout(js, settings, Role.ADMIN)  # the consumers deleted, made anew
     return released

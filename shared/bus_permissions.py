@@ -3,7 +3,7 @@
 - Each user's replies come on inboxes of its own (`bus_connection.inbox_prefix`), which no other user may read: the
   messages a consumer pulls, JetStream's answers, a write's outcome.
 - A service may read and create the streams (every service applies the layout as it starts) but not change them,
-  and lay out, pull from and acknowledge only the consumers it consumes (`bus.consumes`). Deleting, purging or
+  and lay out, pull from and acknowledge only the consumers it consumes (their owner in `bus.layout`). Deleting, purging or
   updating a stream, deleting a stored message: that is the admin user's (`memories bus …`, `memories dlq …`, the
   init Job), which applies a changed layout before the services of a new version start.
 
@@ -56,14 +56,14 @@ def _consumes(stream: str, durable: str) -> list[str]:
     ]
 
 
-def _consumers_of(role: str) -> list[str]:
-    """What `role` may do with the consumers it consumes (`bus.consumes`), every writer partition's as one."""
+def _consumers_of(role: bus.Role) -> list[str]:
+    """What `role` may do with the consumers it consumes (their owner in `bus.layout`), every writer partition's as
+    one."""
     plan = bus.layout(Settings.model_construct(memories_partitions=1))  # the durables' names, not the environment
     owned = {
-        (stream, "*" if stream == bus.WRITES_STREAM else config.durable_name or "")
-        for stream, configs in plan.consumers.items()
-        for config in configs
-        if bus.consumes(role, stream, config.durable_name or "")
+        (consumer.stream, "*" if consumer.stream == bus.WRITES_STREAM else consumer.durable)
+        for consumer in plan.consumers
+        if consumer.owner == role
     }
     return [subject for stream, durable in sorted(owned) for subject in _consumes(stream, durable)]
 
@@ -123,7 +123,7 @@ USERS = (
         "writer",
         publishes=[
             *_APPLIES_THE_LAYOUT,
-            *_consumers_of("writer"),
+            *_consumers_of(bus.Role.WRITER),
             f"{bus.EVENT_SUBJECT_ROOT}.>",
             f"{bus.DEAD_LETTER_ROOT}.writer",
             inboxes_of("api"),  # a write's outcome, to the process that published it
@@ -134,7 +134,7 @@ USERS = (
         "extractor",
         publishes=[
             *_APPLIES_THE_LAYOUT,
-            *_consumers_of("extractor"),
+            *_consumers_of(bus.Role.EXTRACTOR),
             f"{bus.WRITE_SUBJECT_ROOT}.>",
             f"{bus.EXTRACTION_COMPLETED_ROOT}.*",
             f"{bus.DEAD_LETTER_ROOT}.extractor",

@@ -30,14 +30,14 @@ def exit_at_once() -> None:
 
 
 class ConsumerProcess:
-    name = "consumer"
+    role: bus.Role
 
     def __init__(self, settings: Settings, *, pool_size: int, graceful_timeout: float) -> None:
         assert settings.database_url and settings.nats_url, "resolve the servers before starting a service"
         self.settings = settings
         metrics.reserve_model_labels(settings.embedding_model, settings.memories_merge_model)
         login = bus_connection.login(settings)
-        options = bus_connection.connection_options(settings, name=f"memories-{self.name}-consumers")
+        options = bus_connection.connection_options(settings, name=f"memories-{self.role}-consumers")
         # FastStream takes the login and the TLS arguments as one security object, not as nats-py's arguments.
         tls_options = bus_connection.tls_options(settings)
         tls = {"ssl_context": tls_options.get("tls"), "tls_handshake_first": tls_options.get("tls_handshake_first", False)}
@@ -66,9 +66,9 @@ class ConsumerProcess:
         self._stop = asyncio.Event()  # set by SIGINT or SIGTERM, or by `fail`
         self._failure: str | None = None
 
-    def subscribe(self, subject: str, stream: str, durable: str, workers: int):  # type: ignore[no-untyped-def]
-        """A pull subscriber bound to an existing durable consumer: the layout is ours (shared.bus), so
-        FastStream declares nothing and a changed setting is applied by `ensure_layout`, not ignored.
+    def subscribe(self, durable: str, workers: int):  # type: ignore[no-untyped-def]
+        """A pull subscriber bound to a durable consumer of this process's role: the layout is ours (shared.bus),
+        so FastStream declares nothing and a changed setting is applied by `ensure_layout`, not ignored.
 
         One message a fetch, handled by the first of `workers` free (one: in order). A fetched batch would be
         handled together and the next fetched only once all of it is done: one slow message (a turn waiting for
@@ -76,9 +76,12 @@ class ConsumerProcess:
         fetched for the next free one, not yet kept in progress: past the ack wait JetStream hands it to another
         replica, and this one's later attempt finds it done (or asks its model again: the first facts saved are the
         ones written); a stop leaves it to the ack wait."""
+        consumer = bus.layout(self.settings).consumer(durable)
+        if consumer.owner != self.role:  # its NATS user could not pull from it either (shared.bus_permissions)
+            raise ValueError(f"{durable} is consumed by the {consumer.owner}, which alone may pull from it")
         return self.broker.subscriber(
-            subject,
-            stream=JStream(stream, declare=False),
+            consumer.subject,
+            stream=JStream(consumer.stream, declare=False),
             durable=durable,
             pull_sub=PullSub(batch_size=1, timeout=1.0),
             max_workers=workers,
@@ -99,14 +102,14 @@ class ConsumerProcess:
             from shared.scripted_llm import install_scripts  # tests and benchmarks only
 
             install_scripts(self.settings.memories_scripted_llm)
-        self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.name}", settings=self.settings)
-        await bus.ensure_layout(self.nc.jetstream(), self.settings, consumers_of=self.name)
+        self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.role}", settings=self.settings)
+        await bus.ensure_layout(self.nc.jetstream(), self.settings, self.role)
         await self.prepare(self.nc)
         freeze_long_lived_objects()
         await self.broker.start()
         self._ready = True
         self._lag_poller = asyncio.create_task(
-            metrics.run_lag_poller(self.nc.jetstream(), self.consumers()), name=f"{self.name}-lag-poller"
+            metrics.run_lag_poller(self.nc.jetstream(), self.consumers()), name=f"{self.role}-lag-poller"
         )
         self._metrics_server = await serve_metrics(self.settings, ready=self.is_ready)
 
@@ -118,7 +121,7 @@ class ConsumerProcess:
         """A part of the process stopped for good (a bug): the process stops as on SIGTERM and exits with status 1,
         for its supervisor to start it again. Left running, it would look ready and do less than its share."""
         if self._failure is None:
-            log.critical("%s stopping: %s", self.name, reason)
+            log.critical("%s stopping: %s", self.role, reason)
             self._failure = reason
         self._stop.set()
 
@@ -127,7 +130,7 @@ class ConsumerProcess:
         the event loop: on a connection the server closed for good (a login revoked) the process would spin at full
         CPU, deaf to SIGTERM. Such a close ends it at once; what it held is delivered again after the ack wait."""
         if not self._stopping:
-            log.critical("%s: the consumers' NATS connection was closed for good: exiting", self.name)
+            log.critical("%s: the consumers' NATS connection was closed for good: exiting", self.role)
             exit_at_once()
 
     async def stop(self) -> None:

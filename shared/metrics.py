@@ -349,10 +349,9 @@ def queue_consumers(settings: Settings) -> list[ConsumerRef]:
     """Every other durable consumer of the layout: those shared by all replicas of a service (extractor, …)."""
     partition_consumers = set(writer_consumers(settings))
     return [
-        (stream, config.durable_name or "")
-        for stream, configs in bus.layout(settings).consumers.items()
-        for config in configs
-        if (stream, config.durable_name) not in partition_consumers
+        (consumer.stream, consumer.durable)
+        for consumer in bus.layout(settings).consumers
+        if (consumer.stream, consumer.durable) not in partition_consumers
     ]
 
 

@@ -20,6 +20,7 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from shared import bus, bus_admin, bus_connection
+from shared.consumer_process import ConsumerProcess
 from shared.servers import EmbeddedNats
 from shared.settings import Settings
 
@@ -34,7 +35,7 @@ def test_partition_is_crc32_mod_n_and_stable() -> None:
 
 def test_writer_consumers_allow_one_batch_in_flight_per_partition() -> None:
     plan = bus.layout(Settings(memories_partitions=4, memories_write_batch=24))
-    writers = plan.consumers[bus.WRITES_STREAM]
+    writers = [consumer.config for consumer in plan.consumers_of(bus.Role.WRITER) if consumer.stream == bus.WRITES_STREAM]
     assert [c.filter_subject for c in writers] == [f"memories.write.{p}.*" for p in range(4)]
     assert all(c.max_ack_pending == 2 * 24 and c.max_deliver == -1 for c in writers)  # one deciding, one preparing
 
@@ -97,12 +98,12 @@ async def test_a_service_configured_for_another_partition_count_than_the_bus_ref
         # Nothing laid out yet: pruning says so (it said the bus was "laid out for None partitions").
         with pytest.raises(bus.PartitionCountMismatch, match="not laid out yet"):
             await bus_admin.prune_consumers(js, Settings(memories_partitions=8))
-        await bus.ensure_layout(js, Settings(memories_partitions=8))  # recorded on a first start
-        await bus.ensure_layout(js, Settings(memories_partitions=8))
+        await bus.ensure_layout(js, Settings(memories_partitions=8), bus.Role.WRITER)  # recorded on a first start
+        await bus.ensure_layout(js, Settings(memories_partitions=8), bus.Role.WRITER)
         with pytest.raises(bus.PartitionCountMismatch, match="laid out for 8 partitions"):
-            await bus.ensure_layout(js, Settings(memories_partitions=4))
-        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)  # `memories bus init`
-        await bus.ensure_layout(js, Settings(memories_partitions=4))
+            await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.WRITER)
+        await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.ADMIN)  # `memories bus init`
+        await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.WRITER)
         info = await js.stream_info(bus.WRITES_STREAM)
         assert (info.config.metadata or {})[bus.PARTITIONS_METADATA] == "4"
 
@@ -113,7 +114,7 @@ async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place
     # A deployed service's user may not update a stream: at each start it must find nothing to update.
     async with connected_bus(tmp_path, "test-layout") as nc:
         js = nc.jetstream()
-        await bus.ensure_layout(js, Settings(memories_partitions=2))
+        await bus.ensure_layout(js, Settings(memories_partitions=2), bus.Role.WRITER)
         updated: list[str] = []
         update_stream = js.update_stream
 
@@ -122,25 +123,25 @@ async def test_a_changed_stream_setting_is_applied_and_a_layout_already_in_place
             return await update_stream(config, **options)
 
         js.update_stream = recorded  # type: ignore[method-assign]
-        await bus.ensure_layout(js, Settings(memories_partitions=2))
+        await bus.ensure_layout(js, Settings(memories_partitions=2), bus.Role.WRITER)
         assert updated == []
-        await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60))
+        await bus.ensure_layout(js, Settings(memories_partitions=2, memories_duplicate_window_s=60), bus.Role.WRITER)
         assert sorted(updated) == sorted([bus.WRITES_STREAM, bus.EVENTS_STREAM, bus.GENERATIONS_STREAM])
         assert (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 60
         # A window of a fraction of a second comes back off by a nanosecond: still the same layout.
         fractional = Settings(memories_partitions=2, memories_duplicate_window_s=2.106)
-        await bus.ensure_layout(js, fractional)
+        await bus.ensure_layout(js, fractional, bus.Role.WRITER)
         updated.clear()
-        await bus.ensure_layout(js, fractional)
+        await bus.ensure_layout(js, fractional, bus.Role.WRITER)
         assert updated == []
         # Logged in as a service's user, which may not update a stream: it says what to run, in one line.
         deployed = Settings(memories_partitions=2, memories_duplicate_window_s=90, nats_user="memories-writer")
         with pytest.raises(bus.StreamLaidOutUnlike, match="MEMORY_WRITES is laid out unlike this version "
                            r"\(duplicate_window\): run this version's `memories bus init`"):
-            await bus.ensure_layout(js, deployed)
+            await bus.ensure_layout(js, deployed, bus.Role.WRITER)
         assert updated == []
         # `memories bus init` lays every stream out as its version has it, changed or not.
-        await bus.ensure_layout(js, deployed, as_bus_init=True)
+        await bus.ensure_layout(js, deployed, bus.Role.ADMIN)
         assert len(updated) == 4 and (await js.stream_info(bus.WRITES_STREAM)).config.duplicate_window == 90
 
 
@@ -153,13 +154,24 @@ async def test_a_service_lays_out_only_the_consumers_it_consumes(tmp_path: Path)
             return {info.name for stream in (bus.WRITES_STREAM, bus.GENERATIONS_STREAM)
                     for info in await js.consumers_info(stream)}
 
-        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="api")
+        await bus.ensure_layout(js, Settings(memories_partitions=2), bus.Role.API)
         assert await consumers() == set()
-        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="extractor")
+        await bus.ensure_layout(js, Settings(memories_partitions=2), bus.Role.EXTRACTOR)
         assert await consumers() == {bus.EXTRACTOR_DURABLE}
-        await bus.ensure_layout(js, Settings(memories_partitions=2), consumers_of="writer")
+        await bus.ensure_layout(js, Settings(memories_partitions=2), bus.Role.WRITER)
         assert await consumers() == {bus.EXTRACTOR_DURABLE, "writer-p0", "writer-p1",
                                      bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS}
+
+
+def test_a_service_pulls_only_from_the_consumers_it_owns() -> None:
+    class Extractor(ConsumerProcess):
+        role = bus.Role.EXTRACTOR
+
+    settings = Settings(database_url="postgresql+psycopg://memories@localhost/memories", nats_url="nats://localhost:1")
+    process = Extractor(settings, pool_size=1, graceful_timeout=1.0)
+    process.subscribe(bus.EXTRACTOR_DURABLE, workers=1)
+    with pytest.raises(ValueError, match="writer-generation-deletions is consumed by the writer"):
+        process.subscribe(bus.WRITER_GENERATION_DELETIONS, workers=1)
 
 
 async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bus_is_read_from_its_consumers(
@@ -175,8 +187,8 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
                 durable_name=bus.writer_durable(partition), filter_subject=bus.partition_filter(partition)))
         assert await bus.recorded_partitions(js) == 6
         with pytest.raises(bus.PartitionCountMismatch):
-            await bus.ensure_layout(js, Settings(memories_partitions=8))
-        await bus.ensure_layout(js, Settings(memories_partitions=6))
+            await bus.ensure_layout(js, Settings(memories_partitions=8), bus.Role.WRITER)
+        await bus.ensure_layout(js, Settings(memories_partitions=6), bus.Role.WRITER)
         # Their writer consumers are updated in place: served to one writer replica at a time.
         for partition in range(6):
             reply = await nc.request(f"$JS.API.CONSUMER.INFO.{bus.WRITES_STREAM}.{bus.writer_durable(partition)}", b"")
@@ -185,7 +197,7 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
         # A write still queued: the count may not change under it, not even by `memories bus init`.
         await js.publish(f"{bus.WRITE_SUBJECT_ROOT}.3.mem_queued", b"{}", stream=bus.WRITES_STREAM)
         with pytest.raises(bus.PartitionCountMismatch, match="1 writes are queued"):
-            await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+            await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.ADMIN)
         await js.purge_stream(bus.WRITES_STREAM)
         # Drained for a moment, with a writer still pulling: its publishers may be running too, and what they
         # publish next would land on a partition of the old count, beyond the new one.
@@ -195,11 +207,11 @@ async def test_the_partition_count_changes_only_on_a_drained_bus_and_an_older_bu
                          json.dumps(pull).encode(), reply=puller.subject)
         await nc.flush()
         with pytest.raises(bus.PartitionCountMismatch, match=r"writers still consume \(writer-p5\)"):
-            await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+            await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.ADMIN)
         async with asyncio.timeout(15):  # until the pull expired: no writer consumes
             while (await js.consumer_info(bus.WRITES_STREAM, bus.writer_durable(5))).num_waiting:
                 await asyncio.sleep(0.1)
-        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.ADMIN)
         assert await bus.recorded_partitions(js) == 4
 
 
@@ -286,8 +298,8 @@ async def test_writes_stranded_beyond_a_lowered_count_are_moved_to_their_memorys
     # partitions no writer of the new count takes, and stayed there (each caller was told 202).
     async with connected_bus(tmp_path, "test-reroute") as nc:
         js = nc.jetstream()
-        await bus.ensure_layout(js, Settings(memories_partitions=8))
-        await bus.ensure_layout(js, Settings(memories_partitions=4), as_bus_init=True)
+        await bus.ensure_layout(js, Settings(memories_partitions=8), bus.Role.WRITER)
+        await bus.ensure_layout(js, Settings(memories_partitions=4), bus.Role.ADMIN)
         kept, orphaned, consumed = _memory_on(6, 8, "k"), _memory_on(7, 8, "o"), _memory_on(5, 8, "c")
         for memory_id, body in ((kept, b"first"), (kept, b"second"), (consumed, b"taken")):
             await js.publish(bus.write_subject(memory_id, 8), body, stream=bus.WRITES_STREAM)
@@ -329,7 +341,7 @@ async def test_a_publish_jetstream_answers_with_an_error_is_known_not_stored(tmp
     # Every failure counted as "sent, may still be applied" (a 503 that said so, with a write id to look up), even
     # when JetStream had answered that it stored nothing.
     async with connected_bus(tmp_path, "test-refused") as nc:
-        await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2))
+        await bus.ensure_layout(nc.jetstream(), Settings(memories_partitions=2), bus.Role.WRITER)
         with pytest.raises(bus.BusUnavailable) as refused:  # the subject is not the named stream's
             await bus.publish_or_refuse(nc, bus.write_subject("mem_x", 2), b"{}", stream=bus.EVENTS_STREAM,
                                         msg_id="w1")

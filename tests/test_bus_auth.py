@@ -229,7 +229,7 @@ async def test_a_service_user_cannot_erase_the_queues_nor_publish_outside_its_su
 ) -> None:
     log_mark = secured_bus.log_size()
     admin = await secured_bus.connect("admin", "test-admin")
-    await bus.ensure_layout(admin.jetstream(), secured_bus.settings(server_urls[0], "admin"))
+    await bus.ensure_layout(admin.jetstream(), secured_bus.settings(server_urls[0], "admin"), bus.Role.ADMIN)
     kept = await admin.jetstream().publish(bus.dead_letter_subject("test"), b"{}", stream=bus.DEAD_LETTER_STREAM)
     before = (await admin.jetstream().stream_info(bus.DEAD_LETTER_STREAM)).state.messages
     extractor = await secured_bus.connect("extractor", "test-extractor")

@@ -202,7 +202,7 @@ async def test_track_llm_counts_provider_errors_but_not_cancellation() -> None:
 
 async def test_lag_poller_sets_a_gauge_per_consumer_of_the_layout(nc: NatsClient, settings: Settings) -> None:
     js = nc.jetstream()
-    await bus.ensure_layout(js, settings)
+    await bus.ensure_layout(js, settings, bus.Role.ADMIN)
     await metrics.poll_consumer_lag(js, metrics.writer_consumers(settings))
     for partition in range(settings.memories_partitions):
         consumer = bus.writer_durable(partition)

@@ -63,7 +63,7 @@ def create_app(settings: Settings) -> FastAPI:
         # the connection the restart had dropped (the suite's fault tests caught it), a flap of readiness for nothing.
         app.state.probe_engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)
         nc = await bus_connection.connect(settings.nats_url, name="memories-api", settings=settings)
-        await bus.ensure_layout(nc.jetstream(), settings, consumers_of="api")
+        await bus.ensure_layout(nc.jetstream(), settings, bus.Role.API)
         sessions = session_factory(engine)
         gateway = WriteGateway(nc, sessions, settings.memories_partitions)
         await gateway.start()

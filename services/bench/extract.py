@@ -48,7 +48,7 @@ async def run_once(env: dict[str, str], replicas: int, events: int) -> float:
     ]
     nc = await nats.connect(env["NATS_URL"])
     try:
-        await bus.ensure_layout(nc.jetstream(), get_settings())
+        await bus.ensure_layout(nc.jetstream(), get_settings(), bus.Role.ADMIN)
         await asyncio.sleep(8)  # the replicas import their libraries and bind to the consumer
         agent = GenerationAgent(model="scripted/bench", knowledge_config={"write_memory_id": memory.id, "extraction": True})
         started = time.perf_counter()

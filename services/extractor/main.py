@@ -37,15 +37,12 @@ counted towards MEMORIES_MAX_DELIVER: writers restarted or redeployed are back w
 
 
 class ExtractorService(ConsumerProcess):
-    name = "extractor"
+    role = bus.Role.EXTRACTOR
 
     def __init__(self, settings: Settings, concurrency: int = 8) -> None:
         super().__init__(settings, pool_size=4, graceful_timeout=30.0)
         self._extractor: Extractor | None = None
-        subscriber = self.subscribe(
-            f"{bus.GENERATION_COMPLETED_ROOT}.*", bus.GENERATIONS_STREAM, bus.EXTRACTOR_DURABLE, concurrency
-        )
-        subscriber(self.handle)
+        self.subscribe(bus.EXTRACTOR_DURABLE, concurrency)(self.handle)
 
     async def prepare(self, nc: NatsClient) -> None:
         from shared.litellm_loader import load_litellm

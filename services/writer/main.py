@@ -32,17 +32,14 @@ log = logging.getLogger("memories.writer")
 STOP_BUDGET_S = 10.0
 """How long a stopping writer finishes what it holds (batches in hand, writes set aside); the rest is redelivered."""
 
-_DELETIONS = (
-    (bus.WRITER_GENERATION_DELETIONS, f"{bus.GENERATION_DELETED_ROOT}.*"),
-    (bus.WRITER_CONVERSATION_DELETIONS, f"{bus.CONVERSATION_DELETED_ROOT}.*"),
-)
-"""(durable, subject) of the deletion consumers every writer replica shares with the others."""
+_DELETIONS = (bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS)
+"""The deletion consumers every writer replica shares with the others."""
 
 
 class Writer(ConsumerProcess):
     """One writer replica; `start`/`stop` also let tests run replicas in-process."""
 
-    name = "writer"
+    role = bus.Role.WRITER
 
     def __init__(self, settings: Settings, partitions: Sequence[int] | None = None) -> None:
         self.partitions = list(partitions) if partitions is not None else list(range(settings.memories_partitions))
@@ -54,8 +51,8 @@ class Writer(ConsumerProcess):
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []
-        for durable, subject in _DELETIONS:
-            self.subscribe(subject, bus.GENERATIONS_STREAM, durable, workers=1)(self._handle_deletion)
+        for durable in _DELETIONS:
+            self.subscribe(durable, workers=1)(self._handle_deletion)
 
     async def _handle_deletion(self, message: NatsMessage) -> None:
         assert self._provenance is not None
@@ -112,7 +109,7 @@ class Writer(ConsumerProcess):
 
     def consumers(self) -> list[metrics.ConsumerRef]:
         """Its partitions and the deletions, so their lag shows while this replica runs."""
-        deletions = [(bus.GENERATIONS_STREAM, durable) for durable, _ in _DELETIONS]
+        deletions = [(bus.GENERATIONS_STREAM, durable) for durable in _DELETIONS]
         return metrics.writer_consumers(self.settings, self.partitions) + deletions
 
 
