@@ -31,6 +31,7 @@ from shared.settings import Settings, get_settings
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+K8S_KEDA = DEPLOY / "k8s-keda"
 MEMORIES_IMAGE_K8S = "memories"  # kustomize's `images:` maps it onto the pushed image
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
 
@@ -54,8 +55,12 @@ def of_kind(kind: str, *, include_examples: bool = False) -> list[dict[str, Any]
     ]
 
 
+def compose_text() -> str:
+    return (DEPLOY / "compose.yaml").read_text()
+
+
 def compose() -> dict[str, Any]:
-    return load_yaml(DEPLOY / "compose.yaml")  # type: ignore[no-any-return]
+    return yaml.safe_load(compose_text())  # type: ignore[no-any-return]
 
 
 def compose_memories_services() -> dict[str, dict[str, Any]]:
@@ -343,6 +348,17 @@ def test_compose_prometheus_loads_the_alert_rules() -> None:
     assert f"./prometheus-alerts.yml:{rule_file}:ro" in compose()["services"]["prometheus"]["volumes"]
 
 
+def test_the_monitoring_uis_listen_on_the_docker_host_only_and_grafana_has_no_default_password() -> None:
+    # Prometheus has no login, and Grafana's first start took admin/admin: both were open on every interface.
+    services = compose()["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["ports"] and all(port.startswith("127.0.0.1:") for port in services[name]["ports"]), name
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    # The one-liner at the top of compose.yaml that makes deploy/.env generates it with the bus users' passwords.
+    header = compose_text().split("\nname:")[0]
+    assert 'echo "GRAFANA_ADMIN_PASSWORD=$(openssl rand -hex 16)"' in header
+
+
 def test_grafana_provisioning_matches_the_dashboard_and_compose() -> None:
     datasource = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yaml")["datasources"][0]
     dashboard = json.loads((DEPLOY / "grafana/dashboards/memories.json").read_text())
@@ -491,16 +507,28 @@ def test_a_deployment_an_autoscaler_scales_leaves_its_count_to_it() -> None:
                           if doc["metadata"]["name"] in scaled)
 
 
+def test_no_kustomization_lies_within_a_base_it_builds_on() -> None:
+    # kustomize refuses it ("cycle detected"): the KEDA overlay inside deploy/k8s could not be applied at all.
+    for kustomization in DEPLOY.rglob("kustomization.yaml"):
+        here = kustomization.parent.resolve()
+        for resource in load_yaml(kustomization)["resources"]:
+            base = (here / resource).resolve()
+            assert base.exists(), f"{kustomization}: {resource} does not exist"
+            assert not (base.is_dir() and here.is_relative_to(base)), f"{kustomization} lies within its base {resource}"
+
+
 def test_the_keda_overlay_scales_the_extractors_on_their_backlog_in_place_of_the_cpu_autoscaler() -> None:
-    overlay = load_yaml(K8S / "keda" / "kustomization.yaml")
-    assert overlay["resources"] == ["..", "extractor-scaler.yaml"]
+    overlay = load_yaml(K8S_KEDA / "kustomization.yaml")
+    assert overlay["resources"] == ["../k8s", "extractor-scaler.yaml"]
+    # Its own objects (the scaler) land in the base's namespace, where the Deployment it scales is.
+    assert overlay["namespace"] == load_yaml(K8S / "kustomization.yaml")["namespace"]
     [hpa] = of_kind("HorizontalPodAutoscaler")
     [patch] = overlay["patches"]
     deleted = yaml.safe_load(patch["patch"])
     assert deleted["$patch"] == "delete"
     assert (deleted["apiVersion"], deleted["kind"], deleted["metadata"]["name"]) == (
         hpa["apiVersion"], hpa["kind"], hpa["metadata"]["name"])
-    scaler = load_yaml(K8S / "keda" / "extractor-scaler.yaml")["spec"]
+    scaler = load_yaml(K8S_KEDA / "extractor-scaler.yaml")["spec"]
     assert scaler["scaleTargetRef"]["name"] == hpa["spec"]["scaleTargetRef"]["name"]
     assert (scaler["minReplicaCount"], scaler["maxReplicaCount"]) == (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
     [trigger] = scaler["triggers"]
