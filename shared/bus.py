@@ -472,9 +472,15 @@ failure, then dead-lettered, not waited out for ever with the partition held beh
 
 
 def is_outage(exc: BaseException) -> bool:
-    """The database or the bus is unreachable: retry for as long as it takes, never dead-letter for it."""
+    """The database, the bus or the embedding provider is unreachable for now: retry for as long as it takes, never
+    dead-letter or fail a write for it."""
     from sqlalchemy.exc import DBAPIError, OperationalError
     from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    from shared.embeddings import EmbeddingError
+
+    if isinstance(exc, EmbeddingError):
+        return exc.transient
 
     if isinstance(exc, OperationalError):
         sqlstate = getattr(exc.orig, "sqlstate", None)  # none: the driver's own, as "connection refused"

@@ -170,7 +170,9 @@ class WriteApplier:
                     return decided
                 await self._store(session, [decided])
                 return decided.applied
-        except EmbeddingError as exc:  # a model's rewrite checked or embedded, or an exact copy gone since: embedder down
+        except EmbeddingError as exc:  # a model's rewrite checked or embedded, or an exact copy gone since
+            if exc.transient:  # an outage: waited out by the caller, and the write decided after it
+                raise
             return await self.record_failure(prepared.event, "EMBEDDING_UNAVAILABLE", str(exc))
 
     async def apply_batch(self, events: Sequence[MemoryWriteRequested]) -> list[AppliedWrite | Deferred | Exception]:
@@ -179,7 +181,9 @@ class WriteApplier:
 
     async def prepare(self, events: Sequence[MemoryWriteRequested]) -> list[PreparedWrite]:
         """What can be done before any lock: find the exact copies (one query) and embed the other texts
-        (one call). A failed embedding ends its write here, stored as failed."""
+        (one call). An embedding that failed for good ends its write here, stored as failed; one that may pass
+        (`EmbeddingError.transient`) is raised, an outage to wait out: the write's caller may have been told that
+        it will be applied (a 202), so it must not fail for a provider's bad minute."""
         digests = [content_hash(event.content) for event in events]
         copies = await self._stored_copies([(e.memory_id, d) for e, d in zip(events, digests, strict=True)])
         unseen = [i for i, copy in enumerate(copies) if copy is None]
@@ -189,6 +193,8 @@ class WriteApplier:
         try:
             vectors = await self._embed([events[i].content for i in unseen])
         except EmbeddingError as exc:
+            if exc.transient:
+                raise
             for i in unseen:
                 failed = await self.record_failure(events[i], "EMBEDDING_UNAVAILABLE", str(exc))
                 prepared[i] = PreparedWrite(events[i], digests[i], failed=failed)
@@ -224,8 +230,9 @@ class WriteApplier:
                 await self._store(session, [one for one in together if isinstance(one, Decided)])
             for i, one in zip(free, together, strict=True):
                 results[i] = one if isinstance(one, Deferred) else one.applied
-        except Exception:  # noqa: BLE001 - the culprit shows when each write is applied alone
-            outage: Exception | None = None
+        except Exception as failure:  # noqa: BLE001 - the culprit shows when each write is applied alone
+            # An outage would only be met again by each write alone (a hung embedder, once per write): all wait it out.
+            outage: Exception | None = failure if bus.is_outage(failure) else None
             for i in ready:
                 memory_id = prepared[i].event.memory_id
                 # Past an outage, none is tried, and past a deferred write none of its memory's: a later write must
@@ -356,10 +363,14 @@ class WriteApplier:
         merge, arbitration = self._steps(event, policy)
         if exact is None and not models_allowed and (merge or arbitration):
             return Deferred(event.memory_id, "its decision may ask a model")
+        if exact is None and embedding is None and not models_allowed:
+            # The copy seen before the lock has gone (edited, deleted, merged): embedding it here would hold every
+            # memory of the shared transaction for as long as the embedder takes.
+            return Deferred(event.memory_id, "its exact copy has gone: it is to be embedded")
         nearest: list[Candidate] = []
         if exact is None:
             if embedding is None:
-                embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone
+                embedding = await self._embed_one(event.content)  # the copy seen before the lock has gone (a lane)
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
             nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
         vectors = {event.content: embedding} if embedding is not None else {}

@@ -400,6 +400,10 @@ def fake_provider() -> Iterator[Any]:
         ) -> Any:
             if model == "boom":
                 raise RuntimeError("upstream exploded")
+            if model == "ratelimited":
+                raise litellm.RateLimitError(message="slow down", llm_provider="fake", model=model)
+            if model == "rejecting":
+                raise litellm.BadRequestError(message="input too long", llm_provider="fake", model=model)
             if model == "hung":
                 await asyncio.sleep(60)
             vector = {"unnormalised": [3.0, 4.0], "zero": [0.0, 0.0]}.get(model, [1.0, 0.0])
@@ -428,14 +432,33 @@ async def test_failing_provider_raises_embedding_error(fake_provider: Any) -> No
         await embed_texts(["hello"], model="fake/boom")
 
 
+@pytest.mark.parametrize(
+    ("model", "transient"),
+    [
+        ("fake/ratelimited", True),  # a 429
+        ("fake/boom", True),  # a failure litellm cannot place: a connection error to it (500)
+        ("fake/rejecting", False),  # a 400: the same text would be rejected again
+        ("fake/short", False),  # an unusable answer
+    ],
+)
+async def test_a_remote_failure_that_may_pass_is_told_from_one_that_would_recur(
+    fake_provider: Any, model: str, transient: bool
+) -> None:
+    # A writer waits out the first kind (the write's caller may have been told 202) and fails the write for the second.
+    with pytest.raises(EmbeddingError) as failed:
+        await embed_texts(["a", "b"], model=model)
+    assert failed.value.transient is transient
+
+
 async def test_a_remote_model_that_does_not_answer_fails_the_call_in_time(
     fake_provider: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # litellm waits up to 6,000 s by default: a hung provider held every write of a writer that long.
     monkeypatch.setattr(embeddings, "REMOTE_TIMEOUT_S", 0.3)
     started = time.monotonic()
-    with pytest.raises(EmbeddingError, match=r"'fake/hung'.*no answer within 0.3 s"):
+    with pytest.raises(EmbeddingError, match=r"'fake/hung'.*no answer within 0.3 s") as failed:
         await embed_texts(["hello"], model="fake/hung")
+    assert failed.value.transient
     assert time.monotonic() - started < 10
 
 
@@ -480,4 +503,5 @@ async def test_a_provider_failure_is_told_without_its_traceback(monkeypatch: pyt
     with pytest.raises(EmbeddingError) as failed:
         await embed_texts(["hello"], model=LOCAL_MODEL)
     assert "the encoder broke" in str(failed.value)
+    assert not failed.value.transient  # the in-process model fails the same way every time
     assert "Traceback" not in str(failed.value) and "\n" not in str(failed.value)

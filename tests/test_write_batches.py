@@ -31,7 +31,7 @@ from shared import repository as repo
 from shared import writes as writes_module
 from shared.batching import Coalescer
 from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
-from shared.embeddings import LOCAL_MODEL
+from shared.embeddings import LOCAL_MODEL, EmbeddingError
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
@@ -292,11 +292,9 @@ async def test_a_write_that_spoils_the_batch_fails_alone(
     assert failed is not None and failed.status == "failed" and failed.error_code == "RESOURCE_NOT_FOUND"
 
 
-async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
+async def test_an_embedding_failure_for_good_fails_only_the_writes_that_need_one(
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    from shared.embeddings import EmbeddingError
-
     working = WriteApplier(sessions, CountingEmbedder(), "counting")
     assert actions(await working.apply_batch([write(memory, "Erin skis")])) == ["created"]
 
@@ -310,6 +308,79 @@ async def test_an_embedding_outage_fails_only_the_writes_that_need_one(
     assert isinstance(results[1], AppliedWrite) and results[1].outcome.error is not None
     assert results[1].outcome.error.code == "EMBEDDING_UNAVAILABLE"
     assert await valid_contents(sessions, memory["id"]) == ["Erin skis"]
+
+
+class FlakyEmbedder(CountingEmbedder):
+    """A remote provider that fails its first `failures` calls as one that may pass does (a rate limit, a timeout)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def __call__(self, texts: Sequence[str]) -> list[list[float]]:
+        if self.failures:
+            self.failures -= 1
+            self.calls.append(list(texts))
+            raise EmbeddingError("flaky", "RateLimitError: slow down", transient=True)
+        return await super().__call__(texts)
+
+
+async def test_a_write_whose_embedding_may_pass_waits_for_it_and_is_decided(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # Stored as failed before, and acknowledged: a write answered 202 (a tool call told "it will be remembered", a
+    # backlog drained while the provider rate-limited) was lost for good.
+    embedder = FlakyEmbedder(failures=3)
+    incoming = write(memory, "Hana runs marathons")
+    async with own_partition(settings, sessions, WriteApplier(sessions, embedder, "flaky")) as partition:
+        await partition.start()
+        await partition.publish(incoming)
+        await partition.until_decided(incoming)
+        async with sessions() as session:
+            stored = await session.get(WriteOutcome, incoming.write_id)
+        assert stored is not None and (stored.status, stored.action) == ("applied", "created")
+        assert stored.failed_attempts == 0
+        assert len(embedder.calls) == 4  # three refusals waited out in place, then the embedding
+        assert await partition.unacknowledged() == 0
+    assert await valid_contents(sessions, memory["id"]) == ["Hana runs marathons"]
+
+
+async def test_an_exact_copy_gone_before_the_lock_is_embedded_aside_not_in_the_shared_transaction(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # Embedded in the transaction every partition shares, it held all their memories' locks while the embedder took
+    # its time (up to 30 s a call for a remote one).
+    embedder = CountingEmbedder()
+    applier = WriteApplier(sessions, embedder, "counting")
+    (first,) = await applier.apply_batch([write(memory, "Ivo keeps bees")])
+    assert isinstance(first, AppliedWrite) and first.outcome.entry_id
+    (prepared,) = await applier.prepare([write(memory, "Ivo keeps bees")])
+    assert prepared.embedding is None and len(embedder.calls) == 1  # an exact copy: nothing to embed
+    assert (await client.delete(f"/memory-entries/{first.outcome.entry_id}")).status_code == 204
+    (together,) = await applier.decide([prepared], defer_waits=True)
+    assert isinstance(together, Deferred) and "exact copy has gone" in together.why
+    assert len(embedder.calls) == 1
+    (aside,) = await applier.decide([prepared])  # as a lane decides it
+    assert isinstance(aside, AppliedWrite) and aside.outcome.action is WriteAction.CREATED
+    assert len(embedder.calls) == 2
+
+
+async def test_an_outage_met_by_a_batchs_transaction_is_not_met_again_by_each_write_alone(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    working = WriteApplier(sessions, CountingEmbedder(), "counting")
+    stored = await working.apply_batch([write(memory, "Jo sings"), write(memory, "Kim paints")])
+    prepared = await working.prepare([write(memory, "Jo sings"), write(memory, "Kim paints")])
+    for one in stored:
+        assert isinstance(one, AppliedWrite)
+        assert (await client.delete(f"/memory-entries/{one.outcome.entry_id}")).status_code == 204
+    # Both copies gone: each must be embedded under the lock, and the provider answers no one.
+    flaky = FlakyEmbedder(failures=10)
+    results = await WriteApplier(sessions, flaky, "counting").decide(prepared)
+    assert all(isinstance(one, EmbeddingError) and one.transient for one in results), results
+    assert len(flaky.calls) == 1  # before, each write was tried alone after it: three waits on a hung provider
+    async with sessions() as session:
+        assert await write_records.get_write_outcomes(session, [one.event.write_id for one in prepared]) == {}
 
 
 def test_the_stored_records_name_every_column_the_writer_sets() -> None:
@@ -896,7 +967,7 @@ async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_w
 
     async def down_then_back(self: WriteApplier, session: Any, batch: Any, **options: Any) -> Any:
         tried.append(len(batch))
-        if len(tried) <= 2:  # the first write, in the lane's transaction and then alone
+        if len(tried) <= 2:  # the first write's transaction (an outage: the write is not tried again alone)
             raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
         return await decide_batch(self, session, batch, **options)
 
@@ -916,7 +987,7 @@ async def test_a_write_handed_back_as_the_writer_stops_takes_its_memorys_later_w
         await asyncio.wait_for(handler._decide_in_lane(None, behind, messages[2:]), 10)  # type: ignore[arg-type]
     finally:
         await nc.close()
-    assert tried == [1, 1]  # never the second nor the third, though the database was back for them
+    assert tried == [1]  # never the second nor the third, though the database was back for them
     assert settled == [(1, "nak", None), (2, "nak", None), (3, "nak", None)]  # at once, in order
     assert await valid_contents(sessions, memory["id"]) == []
 

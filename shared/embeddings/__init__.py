@@ -37,12 +37,17 @@ partition's, as long. The in-process model has none: its calls are CPU work that
 
 
 class EmbeddingError(Exception):
-    """The embedding model failed, or answered something unusable. The message names the model."""
+    """The embedding model failed, or answered something unusable. The message names the model.
 
-    def __init__(self, model: str, reason: str) -> None:
+    `transient`: a remote provider that may well answer the same call later (no answer in time, a rate limit, a
+    connection or server failure). A writer waits that out, as it does an outage of its database; any other failure
+    (a text or a request the provider rejects, an unusable answer, the in-process model's) would recur."""
+
+    def __init__(self, model: str, reason: str, *, transient: bool = False) -> None:
         super().__init__(f"embedding model {model!r} failed: {reason}")
         self.model = model
         self.reason = reason
+        self.transient = transient
 
 
 def register_local_provider() -> None:
@@ -93,14 +98,25 @@ async def embed_texts(
             asked = litellm.aembedding(model=model, input=list(texts), **kwargs)
             response = await (asked if local else asyncio.wait_for(asked, REMOTE_TIMEOUT_S))
         except TimeoutError as exc:
-            raise EmbeddingError(model, f"no answer within {REMOTE_TIMEOUT_S:g} s") from exc
+            raise EmbeddingError(model, f"no answer within {REMOTE_TIMEOUT_S:g} s", transient=True) from exc
         except Exception as exc:  # litellm maps provider failures onto many exception types
             from shared.llm import describe_failure
 
             # The reason reaches tenants (a 503's message, a write's status): no traceback, no echoed key.
-            raise EmbeddingError(model, f"{type(exc).__name__}: {describe_failure(exc)}") from exc
+            reason = f"{type(exc).__name__}: {describe_failure(exc)}"
+            raise EmbeddingError(model, reason, transient=not local and _may_pass(exc)) from exc
         call.record_usage(response)
         return _unit_vectors(response, model, len(texts), dimensions)
+
+
+def _may_pass(failure: Exception) -> bool:
+    """Whether a remote provider's failure may pass on its own: litellm gives each the HTTP status it stands for
+    (a timeout 408, a rate limit 429, a connection failure or an overloaded provider 5xx); a failure below litellm's
+    mapping is the network's."""
+    status = getattr(failure, "status_code", None)
+    if isinstance(status, int):
+        return status in (408, 429) or status >= 500
+    return isinstance(failure, OSError | TimeoutError)
 
 
 def _unit_vectors(response: Any, model: str, expected: int, dimensions: int | None) -> list[list[float]]:
