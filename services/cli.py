@@ -79,8 +79,9 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
 
 async def _configured_alike(settings: Settings) -> int:
     """0 when the bus is laid out for this service's partition count and the stored vectors have its embedding
-    dimension (or neither is made yet); raises ConfiguredUnlike otherwise."""
+    dimension (or neither is made yet); raises ConfiguredUnlike otherwise. Waits for the schema this version needs."""
     from shared import bus, bus_connection
+    from shared.db.migrate import wait_for_schema
     from shared.db.session import check_embedding_dimensions, create_engine
 
     nc = await bus_connection.connect(settings.nats_url or "", name="memories-api-check", settings=settings)
@@ -90,6 +91,7 @@ async def _configured_alike(settings: Settings) -> int:
         await nc.close()
     engine = create_engine(settings.database_url or "", pool_size=1, max_overflow=0)
     try:
+        await wait_for_schema(engine)
         await check_embedding_dimensions(engine, settings.embedding_dimensions)
     finally:
         await engine.dispose()

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NatsClient
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared import bus, bus_connection, metrics
+from shared.db.migrate import wait_for_schema
 from shared.db.session import create_engine
 from shared.lifecycle import freeze_long_lived_objects, wait_for_shutdown_signal
 from shared.metrics_server import MetricsServer, serve_metrics
@@ -102,6 +103,10 @@ class ConsumerProcess:
             from shared.scripted_llm import install_scripts  # tests and benchmarks only
 
             install_scripts(self.settings.memories_scripted_llm)
+        # Answering first (/healthz alive, /readyz not yet): a start that waits out an outage of the bus or a
+        # migration still running is alive, and a startup probe must not restart it for that.
+        self._metrics_server = await serve_metrics(self.settings, ready=self.is_ready)
+        await wait_for_schema(self.engine)
         self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.role}", settings=self.settings)
         await bus.ensure_layout(self.nc.jetstream(), self.settings, self.role)
         await self.prepare(self.nc)
@@ -111,7 +116,6 @@ class ConsumerProcess:
         self._lag_poller = asyncio.create_task(
             metrics.run_lag_poller(self.nc.jetstream(), self.consumers()), name=f"{self.role}-lag-poller"
         )
-        self._metrics_server = await serve_metrics(self.settings, ready=self.is_ready)
 
     def is_ready(self) -> bool:
         """`/readyz`: consuming, and the bus connection is up (a reconnecting client fetches nothing)."""

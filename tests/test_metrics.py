@@ -526,6 +526,37 @@ async def test_a_writer_serves_metrics_and_probes_on_its_own_port(settings: Sett
             await http.get(f"http://127.0.0.1:{port}/healthz")
 
 
+async def test_a_service_waiting_for_its_bus_at_start_is_alive_and_not_ready(settings: Settings) -> None:
+    # Its probe port opened only once started: a start that waited out a NATS outage longer than the startup probe
+    # allows (60 s) was restarted, again and again, and came back minutes after the bus did.
+    port = free_port()
+    nowhere = f"nats://127.0.0.1:{free_port()}"  # nothing listens: the service retries for as long as it is down
+    extractor = ExtractorService(
+        settings.model_copy(update={"memories_metrics_port": port, "nats_url": nowhere}), concurrency=1
+    )
+    starting = asyncio.create_task(extractor.start())
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            await wait_for_answer(http, "/healthz")
+            assert (await http.get("/healthz")).status_code == 200
+            assert (await http.get("/readyz")).status_code == 503
+        assert not starting.done()
+    finally:
+        starting.cancel()
+        with suppress(asyncio.CancelledError):
+            await starting
+        await extractor.stop()
+
+
+async def wait_for_answer(http: httpx.AsyncClient, path: str) -> None:
+    for _ in range(100):
+        with suppress(httpx.ConnectError):
+            await http.get(path)
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"nothing answered {path} within 5 s")
+
+
 async def test_an_extractor_serves_metrics_and_probes_on_its_own_port(settings: Settings) -> None:
     port = free_port()
     extractor = ExtractorService(settings.model_copy(update={"memories_metrics_port": port}), concurrency=1)

@@ -3,15 +3,19 @@ fails here, not in production."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
-from shared.db.migrate import downgrade, upgrade
+from shared.db.migrate import alembic_config, downgrade, upgrade, wait_for_schema
 from shared.db.models import Base
+from shared.db.session import create_engine
 from shared.settings import Settings
 
 
@@ -86,3 +90,32 @@ async def test_an_upgrade_clears_the_texts_that_deleted_entries_left_in_their_hi
     finally:
         engine.dispose()
     assert texts == {"gone": (None, None), "live": ("old text", "new text")}
+
+
+async def test_a_service_waits_for_the_schema_its_version_needs_and_not_for_a_later_one(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Started beside the upgrade's migration (the init Job), new pods answered 500 on columns not made yet and failed
+    # writes for it. An old pod of a rolling upgrade, against the newer schema, goes on.
+    assert settings.database_url
+    engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)
+    needed = ScriptDirectory.from_config(alembic_config("")).get_current_head()
+
+    async def set_revision(revision: str) -> None:
+        async with engine.begin() as connection:
+            await connection.execute(sa.text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+
+    previous = f"{int(needed) - 1:04d}"
+    try:
+        await set_revision(previous)
+        waiting = asyncio.create_task(wait_for_schema(engine, poll_s=0.05))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        assert f"the database's schema is at {previous}, this version needs {needed}" in caplog.text
+        await set_revision(needed)  # `memories migrate` done
+        await asyncio.wait_for(waiting, 5)
+        await set_revision("9999")  # made by a later version
+        await asyncio.wait_for(wait_for_schema(engine, poll_s=0.05), 1)
+    finally:
+        await set_revision(needed)
+        await engine.dispose()

@@ -1,13 +1,23 @@
-"""Apply the Alembic migrations: `memories migrate`, and `memories up` before it starts the services."""
+"""Apply the Alembic migrations: `memories migrate`, and `memories up` before it starts the services. Each service
+waits at start for the schema its version needs (`wait_for_schema`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger("memories.migrate")
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
+SCHEMA_POLL_S = 5.0
 
 
 def alembic_config(database_url: str) -> Config:
@@ -23,3 +33,35 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 def downgrade(database_url: str, revision: str) -> None:
     command.downgrade(alembic_config(database_url), revision)
+
+
+async def wait_for_schema(engine: AsyncEngine, *, poll_s: float = SCHEMA_POLL_S) -> None:
+    """Until the database's schema is the one this version's code reads and writes, or a later one.
+
+    Deployed beside the migration that it needs (an upgrade's init Job runs `memories migrate` while the new pods
+    start), a service answered 500 on the columns and tables not made yet, and failed writes for it. A later schema
+    (this is an old pod of a rolling upgrade) is fine: a migration keeps the previous version working. A database
+    that cannot be reached now is not waited for here: the service starts and waits for it as it would later."""
+    script = ScriptDirectory.from_config(alembic_config(""))
+    needed = script.get_current_head()
+    known = {revision.revision for revision in script.walk_revisions()}
+    waited = False
+    while True:
+        try:
+            async with engine.connect() as connection:
+                current = await connection.scalar(text("SELECT version_num FROM alembic_version"))
+        except ProgrammingError:  # no alembic_version: nothing migrated yet
+            current = None
+        except (OperationalError, OSError) as exc:
+            log.warning("the database's schema could not be checked: %s", str(exc).splitlines()[0])
+            return
+        if current == needed or (current is not None and current not in known):
+            if waited:
+                log.info("the database's schema is at %s: starting", current)
+            return
+        log.warning(
+            "the database's schema is at %s, this version needs %s: waiting for `memories migrate`",
+            current or "no revision", needed,
+        )
+        waited = True
+        await asyncio.sleep(poll_s)
