@@ -616,6 +616,9 @@ async def test_api_responses_are_counted_by_route_template_and_status(
     await client.get("/memories/mem_0000000000000000")
     await client.get("/memories/mem_1111111111111111")
     await client.get("/no/such/route")
+    for probe in ("/healthz", "/readyz", "/metrics"):  # no client's requests
+        assert (await client.get(client.base_url.join(probe))).status_code == 200
+        assert count("memories_http_responses_total", method="GET", route=probe, status="200") == 0
     assert count("memories_http_responses_total", method="POST", route=entry_route, status="201") == before["created"] + 1
     assert count("memories_http_responses_total", method="GET", route=memory_route, status="404") == before["missing"] + 2
     assert count("memories_http_responses_total", method="GET", route="unmatched", status="404") == before["unmatched"] + 1
