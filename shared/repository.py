@@ -65,7 +65,7 @@ def tags_match_any(column: Any, patterns: Sequence[str]) -> Any:
     )
 
 
-async def _page(session: AsyncSession, query: Select[Any], limit: int, offset: int) -> tuple[list[Any], int]:
+async def page(session: AsyncSession, query: Select[Any], limit: int, offset: int) -> tuple[list[Any], int]:
     """A page and the total, counted by the statement that reads the page: in two statements (each its own
     snapshot in autocommit) a write between them made the total disagree with the rows. The count is an
     uncorrelated subquery, run once and index-only; `count(*) OVER ()` read every matching row for each page
@@ -93,7 +93,7 @@ async def get_project(session: AsyncSession, project_id: str) -> Project | None:
 
 
 async def list_projects(session: AsyncSession, limit: int, offset: int) -> tuple[list[Project], int]:
-    return await _page(session, select(Project).order_by(Project.created_at, Project.id), limit, offset)
+    return await page(session, select(Project).order_by(Project.created_at, Project.id), limit, offset)
 
 
 # Memories ---------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ async def list_memories(
     query = select(Memory).where(Memory.project_id == project_id)
     if tag_patterns:
         query = query.where(tags_match_any(Memory.tags, tag_patterns))
-    return await _page(session, query.order_by(Memory.created_at, Memory.id), limit, offset)
+    return await page(session, query.order_by(Memory.created_at, Memory.id), limit, offset)
 
 
 async def update_memory(session: AsyncSession, memory: Memory, changes: dict[str, Any]) -> Memory:
@@ -197,7 +197,7 @@ async def list_entries(
     query = select(MemoryEntry).where(MemoryEntry.memory_id == memory_id)
     if not include_invalidated:
         query = query.where(MemoryEntry.invalidated_at.is_(None))
-    return await _page(session, query.order_by(MemoryEntry.created_at, MemoryEntry.id), limit, offset)
+    return await page(session, query.order_by(MemoryEntry.created_at, MemoryEntry.id), limit, offset)
 
 
 async def lock_memory(session: AsyncSession, memory_id: str) -> None:
@@ -505,7 +505,7 @@ async def list_api_keys(
     query = select(ApiKey).where(ApiKey.project_id == project_id)
     if not include_revoked:
         query = query.where(ApiKey.revoked_at.is_(None))
-    return await _page(session, query.order_by(ApiKey.created_at, ApiKey.id), limit, offset)
+    return await page(session, query.order_by(ApiKey.created_at, ApiKey.id), limit, offset)
 
 
 async def revoke_api_key(session: AsyncSession, key_id: str) -> bool:

@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.db.models import EntryHistory, WriteOutcome
-from shared.repository import visible
+from shared.repository import page, visible
 
 STALE_PENDING = timedelta(seconds=30)
 """A pending write this old has lost its caller; a retry with its key may publish it again."""
@@ -263,10 +263,12 @@ def _plain(record: OutcomeRow | HistoryRow) -> dict[str, Any]:
     return values
 
 
-async def list_history(session: AsyncSession, entry_id: str) -> list[EntryHistory]:
+async def list_history(session: AsyncSession, entry_id: str, limit: int, offset: int) -> tuple[list[EntryHistory], int]:
+    """A page of the entry's records, oldest first, and how many it has: an entry skipped against at every turn
+    gathers one record a skip."""
     query = (
         select(EntryHistory)
         .where(or_(EntryHistory.entry_id == entry_id, EntryHistory.related_entry_id == entry_id))
         .order_by(EntryHistory.id)
     )
-    return list((await session.scalars(query)).all())
+    return await page(session, query, limit, offset)

@@ -285,6 +285,20 @@ async def test_no_tags_and_no_metadata_are_one_value_however_sent(client: httpx.
     assert [record["action"] for record in history] == ["created"]
 
 
+async def test_an_entrys_history_is_paged_as_every_list_is(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+    # Read whole before: an entry an agent writes again at every turn gathers a record per skip, each with its text.
+    entry = (await write(client, memory["id"], "A fact written again and again")).json()
+    for _ in range(3):
+        assert (await write(client, memory["id"], "A fact written again and again")).json()["action"] == "skipped"
+    url = f"/memory-entries/{entry['id']}/history"
+    first = (await client.get(url, params={"limit": 2})).json()
+    rest = (await client.get(url, params={"limit": 2, "offset": 2})).json()
+    assert (first["entry_id"], first["total"], first["limit"], first["offset"]) == (entry["id"], 4, 2, 0)
+    assert [record["action"] for record in first["data"] + rest["data"]] == ["created", "skipped", "skipped", "skipped"]
+    assert (await client.get(url)).json()["limit"] == 50  # the contract's default page
+    assert (await client.get(url, params={"limit": "many"})).status_code == 400
+
+
 async def test_an_edits_record_names_what_it_changed(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
     # A tags-only edit was recorded with the same text before and after, and nothing else: an edit of nothing.
     entry = (await write(client, memory["id"], "A fact to relabel", tags=["draft"])).json()

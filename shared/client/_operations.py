@@ -188,9 +188,10 @@ def delete_entry(entry_id: str) -> Call[None]:
     return Call("DELETE", f"/memory-entries/{_id(entry_id)}", nothing)
 
 
-def entry_history(entry_id: str) -> Call[EntryHistory]:
-    """Every decision that touched the entry, oldest first."""
-    return Call("GET", f"/memory-entries/{_id(entry_id)}/history", model(EntryHistory))
+def entry_history(entry_id: str, *, limit: int | None = None, offset: int | None = None) -> Call[EntryHistory]:
+    """A page of the decisions that touched the entry, oldest first."""
+    params = query(limit=limit, offset=offset)
+    return Call("GET", f"/memory-entries/{_id(entry_id)}/history", model(EntryHistory), params=params)
 
 
 def get_write(write_id: str) -> Call[WriteStatus]:

@@ -101,9 +101,8 @@ class HistoryRecord(Result):
     created_at: datetime
 
 
-class EntryHistory(Result):
+class EntryHistory(Page[HistoryRecord]):
     entry_id: str
-    data: list[HistoryRecord]
 
 
 class KnowledgeResult(Result):

@@ -232,9 +232,8 @@ class HistoryRecord(BaseModel):
     created_at: Timestamp
 
 
-class History(BaseModel):
+class History(Page[HistoryRecord]):
     entry_id: str
-    data: list[HistoryRecord]
 
 
 @router.get(
@@ -242,10 +241,16 @@ class History(BaseModel):
     summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
     dependencies=[require("memories:GetMemoryEntry")],
 )
-async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep) -> History:
+async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep, paging: PagingDep) -> History:
     entry = await load_entry(session, scope(principal), entry_id)
-    records = await write_records.list_history(session, entry.id)
-    return History(entry_id=entry.id, data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records])
+    records, total = await write_records.list_history(session, entry.id, paging.limit, paging.offset)
+    return History(
+        entry_id=entry.id,
+        data=[HistoryRecord.model_validate(r, from_attributes=True) for r in records],
+        total=total,
+        limit=paging.limit,
+        offset=paging.offset,
+    )
 
 
 @router.put(
