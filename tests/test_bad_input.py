@@ -117,6 +117,16 @@ async def test_a_trailing_slash_is_a_404_in_the_envelope_not_a_redirect(client: 
         assert "location" not in response.headers
 
 
+async def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_takes(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # The envelope was sent without Allow, which RFC 9110 requires of a 405 and clients read to find the methods.
+    response = await client.patch(f"/memories/{memory['id']}", json={"name": "renamed"})
+    assert_envelope(response, 405)
+    assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
+    assert set(response.headers["allow"].replace(" ", "").split(",")) == {"GET", "PUT", "DELETE"}
+
+
 @pytest.mark.parametrize("memory_id", ["", "mem_", "mem_../../etc", "mem_%00", "mem_" + "A" * 500, "MEM_AAAAAAAAAAAAAAAA"])
 async def test_malformed_ids_are_404(client: httpx.AsyncClient, memory_id: str) -> None:
     response = await client.get(f"/memories/{memory_id}") if memory_id else await client.get("/memories/%20")

@@ -110,6 +110,18 @@ def test_the_document_tells_the_error_envelope_not_fastapis_422() -> None:
                 for status in ("200", "201", "202")} == {"200": "EntryWritten", "201": "EntryWritten", "202": "WriteAccepted"}
 
 
+def test_the_document_says_every_route_takes_a_bearer_credential() -> None:
+    # Without it a generated client sent no token (every call a 401), and /docs had no way to give one.
+    document = openapi()
+    assert document["components"]["securitySchemes"]["bearer"] == {
+        "type": "http", "scheme": "bearer", "description": document["components"]["securitySchemes"]["bearer"]["description"]
+    }
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            expected = [{"bearer": []}] if path.startswith("/api/v1") else None  # the probes are open
+            assert operation.get("security") == expected, (method, path)
+
+
 def test_every_bound_is_published_as_json_schema_knows_it() -> None:
     # Pydantic writes `ge`/`le` (no JSON Schema keyword, so generated clients drop the range) for a bound it
     # meets after a validator in an Annotated type; `minimum`/`maximum` otherwise.

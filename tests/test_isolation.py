@@ -378,6 +378,7 @@ async def test_keys_cannot_manage_projects_or_keys(
 async def test_unknown_tokens_are_401(client: httpx.AsyncClient, memory: dict[str, Any], token: str) -> None:
     response = await client.get(f"/memories/{memory['id']}", headers=bearer(token))
     assert response.status_code == 401, token
+    assert response.headers["www-authenticate"] == 'Bearer realm="memories"'  # the scheme it takes (RFC 9110)
 
 
 async def test_the_admin_token_still_reaches_every_project(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -84,11 +85,24 @@ class _EnvelopeResponse(JSONResponse):
         return storable(text).encode("utf-8")
 
 
-def envelope(status: int, message: str, *, code: str | None = None, meta: dict[str, Any] | None = None) -> JSONResponse:
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="memories"'}
+"""What a 401 must name (RFC 9110): the scheme that would be accepted."""
+
+
+def envelope(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    meta: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     error: dict[str, Any] = {"code": code or _CODES.get(status, "INTERNAL_ERROR"), "message": message}
     if meta:
         error["meta"] = meta
-    return _EnvelopeResponse({"error": error}, status_code=status)
+    if status == 401:
+        headers = {**_CHALLENGE, **(headers or {})}
+    return _EnvelopeResponse({"error": error}, status_code=status, headers=headers)
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -148,9 +162,12 @@ def install(app: FastAPI) -> None:
         return validation_response(list(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        return envelope(exc.status_code, message)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's Allow names the methods of the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_methods_of(request))}
+        return envelope(exc.status_code, message, headers=headers)
 
     @app.exception_handler(OperationalError)
     async def database_down(_request: Request, exc: OperationalError) -> JSONResponse:
@@ -190,6 +207,19 @@ def install(app: FastAPI) -> None:
         return envelope(500, "internal error")
 
 
+def _methods_of(request: Request) -> list[str]:
+    """Every method the routes of the request's path take, read from the app's OpenAPI document (the one public
+    list of its routes: FastAPI keeps included routers nested)."""
+    paths = getattr(request.app.state, "methods_by_path", None)
+    if paths is None:
+        paths = [
+            (re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template)) + "$"), [m.upper() for m in operations])
+            for template, operations in request.app.openapi()["paths"].items()
+        ]
+        request.app.state.methods_by_path = paths
+    return sorted({method for pattern, allowed in paths if pattern.match(request.url.path) for method in allowed})
+
+
 _ERRORS_BY_STATUS = {
     "400": "invalid input (`meta.invalid_fields`, `meta.unknown_fields`)",
     "401": "no or unknown credential",
@@ -212,7 +242,16 @@ def document_errors(app: FastAPI, prefix: str) -> None:
         schema = build()  # FastAPI's, kept on the app once built
         if documented:
             return schema
-        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        components = schema.setdefault("components", {})
+        # Every route of the prefix takes a bearer credential (services.api.deps); a generated client sends it.
+        components["securitySchemes"] = {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "the admin token (MEMORIES_ADMIN_TOKEN) or a project's API key (`sk_…`)",
+            }
+        }
+        schemas = components.setdefault("schemas", {})
         envelope_schema = ErrorEnvelope.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(envelope_schema.pop("$defs", {}))
         schemas["ErrorEnvelope"] = envelope_schema
@@ -225,6 +264,7 @@ def document_errors(app: FastAPI, prefix: str) -> None:
                 responses.pop("422", None)
                 if not path.startswith(prefix):
                     continue
+                operation["security"] = [{"bearer": []}]
                 statuses = ["400", "401", "403", "503", "default"]
                 if "{" in path:
                     statuses.append("404")
