@@ -238,8 +238,9 @@ def write_memory_event(
 
 
 def flatten_tags(tags: Any) -> Any:
-    """An orchestration's `{key: value}` tag map becomes `["key:value", …]`; anything else is left as it
-    is, for the tag rules to judge."""
+    """An orchestration's `{key: value}` tag map becomes `["key:value", …]`, in key order: a map's order means
+    nothing in JSON, so a retry that sends it otherwise is the same request (its Idempotency-Key is not refused
+    as reused). Anything else is left as it is, for the tag rules to judge."""
     if not isinstance(tags, dict):
         return tags
     if not all(isinstance(value, str | int | float | bool) for value in tags.values()):
@@ -247,7 +248,7 @@ def flatten_tags(tags: Any) -> Any:
     if any(isinstance(value, float) and not math.isfinite(value) for value in tags.values()):
         raise ValueError("tag map values must not be NaN or Infinity (not JSON numbers)")
     # Values spelled as in the JSON they came from: `urgent:true`, not Python's `urgent:True`.
-    return [f"{key}:{json.dumps(value) if isinstance(value, bool) else value}" for key, value in tags.items()]
+    return [f"{key}:{json.dumps(value) if isinstance(value, bool) else value}" for key, value in sorted(tags.items())]
 
 
 def encode_content(content: Any) -> Any:

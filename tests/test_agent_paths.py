@@ -444,7 +444,7 @@ async def test_orchestration_write_encodes_content_and_flattens_tags(
     assert response.status_code == 201, response.text
     entry = response.json()
     assert entry["content"] == '{"order": 42, "status": "shipped"}'
-    assert entry["tags"] == ["role:traffic-manager", "priority:1", "urgent:true"]  # as JSON spells it
+    assert entry["tags"] == ["priority:1", "role:traffic-manager", "urgent:true"]  # as JSON spells it, in key order
     assert entry["source_type"] == "orchestration" and entry["metadata"] == {"node": "n1"}
     listed = await client.post(
         "/orchestration/memory-write",
@@ -453,6 +453,19 @@ async def test_orchestration_write_encodes_content_and_flattens_tags(
     assert listed.json()["tags"] == ["a"] and listed.json()["source_type"] == "manual"
     assert (await client.post("/orchestration/memory-write", json={"memory_id": memory["id"]})).status_code == 400
     assert llm.calls == []
+
+
+async def test_an_orchestration_write_retried_with_its_tag_map_in_another_order_is_the_same_request(
+    client: httpx.AsyncClient, memory: dict[str, Any]
+) -> None:
+    # The map was flattened in the order it came, so the retry's request hash differed: a 409 for reusing the key.
+    headers = {"Idempotency-Key": "orchestration-retry-reordered"}
+    body = {"memory_id": memory["id"], "content": "Order 7 shipped"}
+    first = await client.post("/orchestration/memory-write", json={**body, "tags": {"a": 1, "b": "x"}}, headers=headers)
+    again = await client.post("/orchestration/memory-write", json={**body, "tags": {"b": "x", "a": 1}}, headers=headers)
+    assert first.status_code == 201, first.text
+    assert again.status_code == 201, again.text  # the first answer, replayed
+    assert (again.json()["id"], again.json()["write_id"]) == (first.json()["id"], first.json()["write_id"])
 
 
 @pytest.mark.parametrize(
