@@ -73,6 +73,24 @@ async def test_a_memory_deleted_by_another_process_is_404_from_the_writer_and_th
         assert (await write(client, memory_id, "The office moved to Faro")).status_code == 404
 
 
+async def test_a_tool_call_to_a_memory_deleted_by_another_process_forgets_it_too(
+    settings: Settings, writers: list[Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    # Only REST writes forgot it: every later tool call was published and sent a writer a round trip for nothing.
+    async with open_api(settings) as (app, client):
+        memory_id = await new_memory(client)
+        project_id = (await client.get(f"/memories/{memory_id}")).json()["project_id"]
+        call = {"agent": {"knowledge_config": {"write_memory_id": memory_id}}, "project_id": project_id}
+        first = await client.post("/tools/write_memory", json={**call, "content": "The depot opens at six"})
+        assert first.status_code == 200 and first.json()["action"] == "created", first.text
+        async with sessions.begin() as session:  # as another API process would
+            await session.execute(delete(Memory).where(Memory.id == memory_id))
+        assert memory_id in app.state.memory_owners
+        gone = await client.post("/tools/write_memory", json={**call, "content": "The depot opens at seven"})
+        assert "error" in gone.json(), gone.text
+        assert memory_id not in app.state.memory_owners
+
+
 async def test_deleting_a_memory_forgets_its_owner(settings: Settings, writers: list[Any]) -> None:
     async with open_api(settings) as (app, client):
         memory_id = await new_memory(client)
