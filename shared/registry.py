@@ -131,7 +131,9 @@ async def usage_summary(session: AsyncSession, project_id: str) -> list[dict[str
         )
         .where(LlmUsage.project_id == project_id)
         .group_by(LlmUsage.ai_provider_id, LlmUsage.model, LlmUsage.purpose)
-        .order_by(LlmUsage.model, LlmUsage.purpose)
+        # Every grouped column: two providers serving the same model for the same purpose tied, and a page could
+        # repeat or skip a row.
+        .order_by(LlmUsage.model, LlmUsage.purpose, LlmUsage.ai_provider_id.asc().nulls_first())
     )
     return [dict(row._mapping) for row in (await session.execute(query)).all()]
 

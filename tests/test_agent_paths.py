@@ -29,6 +29,7 @@ from shared.events import (
     utcnow,
 )
 from shared.ids import new_write_id
+from shared.llm import Completion
 from shared.scripted_llm import ScriptedLLM
 from shared.settings import Settings
 from shared.writes import WriteApplier
@@ -870,7 +871,9 @@ async def test_registry_changes_of_a_project_hold_what_they_checked_until_they_c
     assert refused.status_code == 404 and refused.json()["error"]["message"] == f"AI provider {provider['id']} not found"
 
 
-async def test_the_registrys_lists_are_paged_like_every_list(client: httpx.AsyncClient, memory: dict[str, Any]) -> None:
+async def test_the_registrys_lists_are_paged_like_every_list(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
     project_id = memory["project_id"]
     names = ["first", "second", "third"]
     providers = [(await client.post("/ai-providers", json={"project_id": project_id, "name": name,
@@ -883,3 +886,10 @@ async def test_the_registrys_lists_are_paged_like_every_list(client: httpx.Async
     for path in ("/model-routes", "/usage"):
         listed = (await client.get(path, params={"project_id": project_id})).json()
         assert set(listed) == {"data", "total", "limit", "offset"} and listed["limit"] == 50
+    # Usage of the same model for the same purpose through three providers (and none): a page never repeats a row.
+    async with sessions.begin() as session:
+        for provider_id in (providers[2]["id"], None, providers[0]["id"], providers[1]["id"]):
+            await registry.add_usage(session, project_id, provider_id, Completion("answer", "m", 1, 1), "merge")
+    paged = [row["ai_provider_id"] for offset in range(4) for row in (await client.get(
+        "/usage", params={"project_id": project_id, "limit": 1, "offset": offset})).json()["data"]]
+    assert paged == [None, *sorted(p["id"] for p in providers)]

@@ -242,6 +242,8 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
         assert code == 2 and "finite number" in err, err
     code, _, err = await cli("import", "/no/such/file.jsonl")
     assert code == 2 and "cannot read" in err
+    code, _, err = await cli.raw("get-memory", "mem_a", "--url", "notaurl", "--token", ADMIN_TOKEN)
+    assert code == 2 and "INVALID_REQUEST" in err, err
     # null clears --description, --tags, --metadata; a name or a fact's content cannot be cleared, and was stored
     # as the word "null" (the fact re-embedded) by a user following that rule.
     for verb, option in (("update-memory", "--name"), ("update-memory-entry", "--content")):

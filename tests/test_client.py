@@ -314,6 +314,9 @@ def test_a_request_that_cannot_be_sent_is_refused_before_anything_is_sent(api_ur
         lambda: memories.get_memory(""),  # "/memories/" is the list
         lambda: MemoriesClient("http://memories.test", "tökén"),
         lambda: MemoriesClient("http://[::1"),
+        # No scheme httpx can use: the address is the caller's to fix (it was "cannot reach", as if the service were down).
+        lambda: MemoriesClient("notaurl").get_memory("mem_a"),
+        lambda: MemoriesClient("ftp://memories.test").get_memory("mem_a"),
         # Checked by the HTTP protocol on the way out: over a real connection.
         lambda: over_http.create_entry("mem_a", "x", idempotency_key=" padded "),
     ]

@@ -115,7 +115,9 @@ def unsent_or_unanswered(exc: Exception, url: str) -> MemoriesError:
     unable to reach the service."""
     reason = str(exc) or type(exc).__name__
     # A protocol error on our side (an illegal header value) is a TransportError too, but nothing left.
-    if isinstance(exc, httpx.LocalProtocolError | httpx.InvalidURL | ValueError):  # UnicodeEncodeError included
+    # An address without a scheme httpx can use (`notaurl`, `ftp://x`) is the caller's to fix, as a malformed one is.
+    unsendable = httpx.LocalProtocolError | httpx.InvalidURL | httpx.UnsupportedProtocol | ValueError
+    if isinstance(exc, unsendable):  # UnicodeEncodeError included
         return InvalidRequest(None, "INVALID_REQUEST", f"the request cannot be sent: {reason}")
     if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
         return TimedOut(
