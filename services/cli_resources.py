@@ -262,7 +262,8 @@ def create_entry(client: MemoriesClient, args: argparse.Namespace) -> None:
         idempotency_key=args.idempotency_key,
     )
     if args.json or written.entry is None:
-        show(written, args)
+        # Every field, also those a pending write leaves empty (README): `jq .replayed` is false, not null.
+        show(written.model_dump(mode="json"), args)
     else:
         replayed = ", a replay of an earlier write with this key: nothing written now" if written.replayed else ""
         print(f"{written.action}: {written.entry.id}  (write {written.write_id}{replayed})")

@@ -361,6 +361,22 @@ async def test_an_import_line_not_decided_in_time_is_named_with_its_write(
     assert pending["line"] == 1 and f"memories get-memory-write {pending['write_id']}" in err
 
 
+async def test_a_pending_write_prints_every_field_of_the_write(
+    settings: Settings, memory_id: str, capsys: pytest.CaptureFixture[str], sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # Printed without its empty fields: the README's `action`, `replayed` and `entry` were missing, not null/false.
+    with serve_api(settings.model_copy(update={"memories_write_timeout_s": 0.5})) as impatient_api:
+        async with sessions() as holder, holder.begin():  # the memory is busy: its write waits past the timeout
+            await repo.lock_memories(holder, [memory_id])
+            code, out, err = await Cli(impatient_api, capsys)(
+                "create-memory-entry", "--memory-id", memory_id, "--content", "Xavier waits too", "--json"
+            )
+    assert code == 0, err
+    written = json.loads(out)
+    assert written == {"write_id": written["write_id"], "status": "pending", "action": None, "entry": None,
+                       "replayed": False}
+
+
 async def test_an_import_line_that_cannot_be_sent_fails_alone(cli: Cli, memory_id: str, tmp_path: Path) -> None:
     source = tmp_path / "odd.jsonl"
     good = {"memory_id": memory_id, "content": "Alice likes tea"}
