@@ -13,6 +13,7 @@ tests decide writes so, without a writer).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -43,6 +44,8 @@ from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
 from shared.logs import log_context
 from shared.write_records import HistoryRow, OutcomeRow
+
+log = logging.getLogger("memories.writer")
 
 Embed = Callable[[Sequence[str]], Awaitable[list[list[float]]]]
 
@@ -374,14 +377,17 @@ class WriteApplier:
             limit = ARBITRATION_SHORTLIST if policy is WritePolicy.ARBITRATE else 1
             nearest = await repo.find_nearest(session, event.memory_id, embedding, limit=limit)
         vectors = {event.content: embedding} if embedding is not None else {}
-        decision = await decide(
-            IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
-            exact_match=exact,
-            nearest=nearest,
-            consolidate=merge.consolidate if merge else None,
-            arbitrate=arbitration.arbitrate if arbitration else None,
-            relatedness=partial(self._relatedness, vectors),
-        )
+        try:
+            decision = await decide(
+                IncomingWrite(content=event.content, duplicate_threshold=event.duplicate_threshold, policy=policy),
+                exact_match=exact,
+                nearest=nearest,
+                consolidate=merge.consolidate if merge else None,
+                arbitrate=arbitration.arbitrate if arbitration else None,
+                relatedness=partial(self._relatedness, vectors),
+            )
+        finally:
+            await self._meter(event.project_id, merge, arbitration)
         if decision.action is WriteAction.UPDATED:
             decision = await _unless_held_already(session, event.memory_id, decision)
         entry, change = await self._carry_out(session, event, decision, digest, embedding, vectors)
@@ -397,15 +403,29 @@ class WriteApplier:
             failed_attempts=stored.failed_attempts if stored else 0,
         )
         model_steps = arbitration if _model_step(decision.rule) == "arbitration" else merge
-        for steps in {id(s): s for s in (merge, arbitration) if s}.values():
-            for purpose, completion in steps.completions:
-                await registry.add_usage(session, event.project_id, steps.agent.ai_provider_id, completion, purpose)
         superseded = decision.target.entry_id if decision.action is WriteAction.SUPERSEDED and decision.target else None
         return Decided(
             AppliedWrite(outcome_of(record), change, superseded),
             record,
             _history(event, decision, entry, nearest, model_steps),
         )
+
+    async def _meter(self, project_id: str, *asked: ModelSteps | None) -> None:
+        """The tokens of the model calls a decision made, stored at once in a transaction of their own: the
+        decision's may still fail after them (and the write be tried again), and they were spent all the same."""
+        spent = [
+            (steps.agent.ai_provider_id, purpose, completion)
+            for steps in {id(s): s for s in asked if s}.values()
+            for purpose, completion in steps.completions
+        ]
+        if not spent:
+            return
+        try:
+            async with self._sessions.begin() as session:
+                for provider_id, purpose, completion in spent:
+                    await registry.add_usage(session, project_id, provider_id, completion, purpose)
+        except Exception as exc:  # noqa: BLE001 - metering fails no write; the metrics counted the tokens already
+            log.warning("the usage of %d model calls could not be stored: %s", len(spent), exc)
 
     @staticmethod
     async def _store(session: AsyncSession, decided: Sequence[Decided]) -> None:

@@ -30,16 +30,17 @@ from shared import bus, metrics, write_records
 from shared import repository as repo
 from shared import writes as writes_module
 from shared.batching import Coalescer
-from shared.db.models import EntryHistory, MemoryEntry, WriteOutcome
+from shared.db.models import EntryHistory, LlmUsage, MemoryEntry, WriteOutcome
 from shared.embeddings import LOCAL_MODEL, EmbeddingError
 from shared.events import AgentContext, MemoryWriteOutcome, MemoryWriteRequested, WriteAction, WritePolicy
 from shared.ids import new_write_id
 from shared.llm import ModelSteps
 from shared.logs import ContextFilter, log_context
+from shared.scripted_llm import ScriptedLLM
 from shared.settings import Settings
 from shared.writes import AppliedWrite, Deferred, PreparedWrite, WriteApplier
 from tests.conftest import local_embed, wait_until_blocked_by
-from tests.test_agent_paths import EMAIL, EMAIL_DETAIL
+from tests.test_agent_paths import EMAIL, EMAIL_DETAIL, MERGED
 
 
 class CountingEmbedder:
@@ -381,6 +382,29 @@ async def test_an_outage_met_by_a_batchs_transaction_is_not_met_again_by_each_wr
     assert len(flaky.calls) == 1  # before, each write was tried alone after it: three waits on a hung provider
     async with sessions() as session:
         assert await write_records.get_write_outcomes(session, [one.event.write_id for one in prepared]) == {}
+
+
+async def test_the_tokens_of_a_merge_are_metered_though_its_transaction_then_fails(
+    client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession],
+    llm: ScriptedLLM, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Stored in the decision's transaction, the usage rolled back with it: the model had answered (and the metrics
+    # counted its tokens), the project's /usage never showed them.
+    llm.script("metered", MERGED)
+    applier = WriteApplier(sessions, local_embed, LOCAL_MODEL)
+    (memory,) = await holding_email(client, project, applier, "metered")
+
+    async def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("the insert failed")
+
+    monkeypatch.setattr(WriteApplier, "_carry_out", broken)
+    (result,) = await applier.apply_batch([write(memory, EMAIL_DETAIL, agent=AgentContext(model="scripted/metered"))])
+    assert isinstance(result, RuntimeError)
+    asked = len(llm.calls_to("metered"))
+    async with sessions() as session:
+        metered = (await session.scalars(select(LlmUsage).where(LlmUsage.project_id == project["id"]))).all()
+    assert asked >= 1 and [(row.model, row.purpose) for row in metered] == [("scripted/metered", "merge")] * asked
+    assert await valid_contents(sessions, memory["id"]) == [EMAIL]
 
 
 def test_the_stored_records_name_every_column_the_writer_sets() -> None:
