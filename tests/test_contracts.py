@@ -5,6 +5,7 @@ from the routes, the bus's users in deploy/nats/ from shared/bus_permissions.py.
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -120,6 +121,22 @@ def test_the_document_says_every_route_takes_a_bearer_credential() -> None:
         for method, operation in methods.items():
             expected = [{"bearer": []}] if path.startswith("/api/v1") else None  # the probes are open
             assert operation.get("security") == expected, (method, path)
+
+
+def test_every_operation_has_a_unique_camel_case_id() -> None:
+    # FastAPI's default, `create_memory_api_v1_memories_post`, became a generated client's method name.
+    ids = [operation["operationId"] for methods in openapi()["paths"].values() for operation in methods.values()]
+    assert len(ids) == len(set(ids)) and "createMemory" in ids
+    assert [i for i in ids if not re.fullmatch(r"[a-z]+(?:[A-Z][a-z]*)*", i)] == []
+
+
+def test_every_time_is_published_as_a_date_time() -> None:
+    # Published as plain strings, the times reached generated clients as text to parse by hand.
+    schemas = openapi()["components"]["schemas"]
+    times = {(name, field): json.dumps(spec) for name, schema in schemas.items()
+             for field, spec in schema.get("properties", {}).items() if field.endswith("_at")}
+    assert ("EntryOut", "created_at") in times
+    assert [where for where, spec in times.items() if '"format": "date-time"' not in spec] == []
 
 
 def test_every_bound_is_published_as_json_schema_knows_it() -> None:

@@ -15,6 +15,7 @@ from pydantic import (
     PlainSerializer,
     StrictFloat,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -37,8 +38,14 @@ def _utc(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str)]
-OptionalTimestamp = Annotated[datetime | None, PlainSerializer(_utc, return_type=str | None)]
+_DATE_TIME = WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization")
+"""Said in the published schema, so that a generated client reads a time, not a plain string."""
+Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str), _DATE_TIME]
+OptionalTimestamp = Annotated[
+    datetime | None, PlainSerializer(_utc, return_type=str | None), WithJsonSchema(
+        {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}]}, mode="serialization"
+    )
+]
 Name = Annotated[
     str,
     StringConstraints(min_length=1, max_length=255, strip_whitespace=True),
