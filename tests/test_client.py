@@ -10,6 +10,7 @@ import pickle
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -19,19 +20,23 @@ import pytest_asyncio
 from services.api.serving import serve_in_thread
 from shared.client import (
     UNSET,
+    AiProvider,
     AsyncMemoriesClient,
     Call,
     Conflict,
     ConnectionFailed,
     EntryWrite,
+    ExtractionStatus,
     Forbidden,
     InvalidRequest,
     MemoriesClient,
     MemoriesError,
     Memory,
     MemoryEntry,
+    ModelRouteTarget,
     NotFound,
     PayloadTooLarge,
+    ProvenanceCleared,
     ServiceUnavailable,
     SourceType,
     TimedOut,
@@ -40,8 +45,10 @@ from shared.client import (
     WriteAction,
 )
 from shared.client._calls import model
+from shared.scripted_llm import ScriptedLLM
 from shared.servers import LOOPBACK, free_port
 from shared.settings import Settings
+from shared.tools import WRITE_MEMORY_TOOL
 from tests.conftest import ADMIN_TOKEN, open_client
 
 EMAIL = "Customer prefers email over phone calls"
@@ -63,6 +70,27 @@ async def memories(client: httpx.AsyncClient) -> AsyncIterator[AsyncMemoriesClie
     """The async client over the session's in-process app (an injected httpx client)."""
     async with AsyncMemoriesClient(http=client) as opened:
         yield opened
+
+
+def extracting_agent(llm: ScriptedLLM, memory: Memory, name: str, fact: str) -> dict[str, Any]:
+    """An agent whose turns are extracted into `memory` as the one `fact`, by a scripted model."""
+
+    def reply(messages: list[dict[str, Any]]) -> str:
+        # A blank merge answer (the system prompt's) writes the fact as new, however close another entry is.
+        return "" if messages[0]["role"] == "system" else json.dumps([fact])
+
+    model_name = llm.script(name, reply)
+    return {"id": "agent_1", "model": model_name,
+            "knowledge_config": {"write_memory_id": memory.id, "extraction": True}}
+
+
+async def extracted(memories: AsyncMemoriesClient, generation_id: str, project_id: str) -> ExtractionStatus:
+    for _ in range(300):
+        outcome = await memories.extraction_status(generation_id, project_id=project_id)
+        if outcome.status != "pending":
+            return outcome
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the extraction of {generation_id} never finished")
 
 
 @pytest_asyncio.fixture
@@ -218,6 +246,141 @@ async def test_agent_tool_call_and_extraction_status(
         await asyncio.sleep(0.05)
     assert (outcome.status, outcome.reason) == ("skipped", "extraction_disabled")
     assert outcome.summary.candidates == 0
+
+
+async def test_the_write_memory_tool_definition_is_the_one_the_service_executes(
+    memories: AsyncMemoriesClient,
+) -> None:
+    definition = await memories.write_memory_tool()
+    assert definition == WRITE_MEMORY_TOOL and definition["function"]["name"] == "write_memory"
+    # A success that is no JSON object cannot be a tool definition: something else answered at this URL.
+    not_an_object = httpx.MockTransport(lambda request: httpx.Response(200, json=["write_memory"]))
+    elsewhere = MemoriesClient("http://memories.test", "t", transport=not_an_object)
+    with elsewhere, pytest.raises(MemoriesError) as unexpected:
+        elsewhere.write_memory_tool()
+    assert unexpected.value.code == "INVALID_RESPONSE"
+
+
+async def test_an_orchestration_write_stores_a_tag_map_and_replays_its_idempotency_key(
+    memories: AsyncMemoriesClient, target: Memory
+) -> None:
+    order = {"order": 42, "status": "shipped"}
+    first = await memories.orchestration_write(
+        target.id, order, tags={"urgent": True, "channel": "email"}, metadata={"node": "n1"},
+        idempotency_key="orchestration-1",
+    )
+    assert (first.status, first.action, first.replayed) == ("applied", WriteAction.CREATED, False)
+    assert first.entry is not None and first.entry.source_type is SourceType.ORCHESTRATION
+    assert first.entry.content == json.dumps(order) and first.entry.metadata == {"node": "n1"}
+    assert first.entry.tags == ["channel:email", "urgent:true"]  # in key order, spelled as JSON spells them
+    # A retry that builds its map in another order is the same request, not a reused key (a 409).
+    replay = await memories.orchestration_write(
+        target.id, order, tags={"channel": "email", "urgent": True}, metadata={"node": "n1"},
+        idempotency_key="orchestration-1",
+    )
+    assert replay.replayed and (replay.write_id, replay.entry) == (first.write_id, first.entry)
+    listed = await memories.orchestration_write(
+        target.id, "Parcels leave at noon", tags=["logistics"], source_type=SourceType.MANUAL
+    )
+    assert listed.entry is not None and (listed.entry.tags, listed.entry.source_type) == (
+        ["logistics"], SourceType.MANUAL)
+    assert (await memories.list_entries(target.id)).total == 2
+
+
+async def test_forgetting_a_generation_and_a_conversation_whose_ids_hold_a_slash(
+    memories: AsyncMemoriesClient, target: Memory, api_url: str, extractors: list[Any], llm: ScriptedLLM
+) -> None:
+    project_id = target.project_id
+    tool_agent = {"id": "agent_1", "knowledge_config": {"write_memory_id": target.id, "extraction": False}}
+    written = await memories.write_memory(EMAIL, tool_agent, generation_id="run/42", project_id=project_id)
+    assert written.entry_id and (await memories.get_entry(written.entry_id)).source_generation_id == "run/42"
+
+    def forget_twice_over_http() -> list[ProvenanceCleared]:
+        # Through uvicorn as well: the id must arrive whole from a real server's path decoding too.
+        with MemoriesClient(api_url, ADMIN_TOKEN) as blocking:
+            return [blocking.forget_generation("run/42", project_id=project_id) for _ in range(2)]
+
+    first, again = await asyncio.to_thread(forget_twice_over_http)
+    assert (first.cleared, again.cleared) == (1, 0)  # nothing cites it any more the second time
+    forgotten = await memories.get_entry(written.entry_id)
+    assert (forgotten.source_generation_id, forgotten.content) == (None, EMAIL)  # the fact stays
+
+    agent = extracting_agent(llm, target, "client-extract-chat-7", "The user drives a blue van.")
+    await memories.generation_completed(
+        "gen_chat_7", agent, messages=[{"role": "user", "content": "I drive a blue van."}],
+        conversation_id="chat/7", project_id=project_id,
+    )
+    assert (await extracted(memories, "gen_chat_7", project_id)).summary.created == 1
+    [cited] = [e for e in (await memories.list_entries(target.id)).data if e.source_conversation_id == "chat/7"]
+    assert (await memories.forget_conversation("chat/7", project_id=project_id)).cleared == 1
+    assert (await memories.get_entry(cited.id)).source_conversation_id is None
+    with pytest.raises(InvalidRequest):  # "/conversations//provenance" names no conversation
+        await memories.forget_conversation("", project_id=project_id)
+
+
+async def test_a_turn_reported_late_with_its_occurred_at_does_not_cite_a_conversation_forgotten_since(
+    memories: AsyncMemoriesClient, target: Memory, extractors: list[Any], llm: ScriptedLLM
+) -> None:
+    project_id = target.project_id
+    ended = datetime.now(UTC)
+    assert (await memories.forget_conversation("chat/8", project_id=project_id)).cleared == 0
+    # Both turns are reported after the forgetting: only the one whose occurred_at says it ended before loses the
+    # citation, so a client that dropped occurred_at would leave both citing it.
+    turns = (("gen_ended_before", "The user plays the cello.", ended), ("gen_ended_now", "The user keeps bees.", None))
+    for generation_id, fact, occurred_at in turns:
+        agent = extracting_agent(llm, target, f"client-extract-{generation_id}", fact)
+        accepted = await memories.generation_completed(
+            generation_id, agent, messages=[{"role": "user", "content": fact}], conversation_id="chat/8",
+            occurred_at=occurred_at, project_id=project_id,
+        )
+        assert accepted.status == "pending"
+        assert (await extracted(memories, generation_id, project_id)).summary.created == 1
+    cited = {e.content: e.source_conversation_id for e in (await memories.list_entries(target.id)).data}
+    assert cited == {"The user plays the cello.": None, "The user keeps bees.": "chat/8"}
+
+
+async def test_the_model_registry_routes_an_agents_merges_and_meters_them(
+    memories: AsyncMemoriesClient, target: Memory, llm: ScriptedLLM
+) -> None:
+    project_id = target.project_id
+    merged = "Customer prefers email over phone calls, ideally in the morning."
+    llm.script("client-merge", merged)
+    provider = await memories.create_ai_provider(
+        "ours", "scripted", project_id=project_id, default_model="client-merge"
+    )
+    assert isinstance(provider, AiProvider) and provider.id.startswith("aip_")
+    assert (provider.project_id, provider.provider, provider.default_model) == (project_id, "scripted", "client-merge")
+    assert [p.id for p in (await memories.list_ai_providers(project_id=project_id)).data] == [provider.id]
+    route = await memories.create_model_route(
+        "default", [ModelRouteTarget(ai_provider_id=provider.id)], project_id=project_id
+    )
+    assert route.targets == [ModelRouteTarget(ai_provider_id=provider.id, model=None)]
+    assert [r.id for r in (await memories.list_model_routes(project_id=project_id)).data] == [route.id]
+    assert (await memories.get_default_model_route(project_id)).model_route_id is None
+    assert (await memories.set_default_model_route(project_id, route.id)).model_route_id == route.id
+    assert (await memories.get_default_model_route(project_id)).model_route_id == route.id
+
+    # An agent naming no model merges through the default route: proof the route took effect, and metered.
+    bare = {"id": "agent_bare", "knowledge_config": {"write_memory_id": target.id}}
+    first = await memories.write_memory(EMAIL, bare, project_id=project_id)
+    detail = await memories.write_memory(
+        "Customer prefers email over phone calls, ideally in the morning", bare, project_id=project_id
+    )
+    assert (detail.action, detail.entry_id) == (WriteAction.UPDATED, first.entry_id)
+    [row] = (await memories.usage(project_id=project_id)).data
+    assert (row.ai_provider_id, row.model, row.purpose, row.calls) == (provider.id, "scripted/client-merge", "merge", 1)
+    assert row.prompt_tokens > 0 and row.completion_tokens == len(merged.split())
+
+    with pytest.raises(Conflict) as still_routed:  # the route would fail every call it serves
+        await memories.delete_ai_provider(provider.id)
+    assert still_routed.value.meta["model_route_ids"] == [route.id]
+    # None must reach the service as null (it clears), not be left out as an unset argument is.
+    assert (await memories.set_default_model_route(project_id, None)).model_route_id is None
+    assert (await memories.get_default_model_route(project_id)).model_route_id is None
+    await memories.delete_model_route(route.id)
+    await memories.delete_ai_provider(provider.id)
+    assert (await memories.list_model_routes(project_id=project_id)).total == 0
+    assert (await memories.list_ai_providers(project_id=project_id)).total == 0
 
 
 async def test_api_keys_scope_and_revocation(

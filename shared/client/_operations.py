@@ -1,8 +1,13 @@
-"""Every REST operation of /api/v1 as a `Call` (see _calls.py); the clients expose each as a method."""
+"""Every REST operation of /api/v1 as a `Call` (see _calls.py); the clients expose each as a method.
+
+The probes (/healthz, /readyz, /metrics) are not under /api/v1 and not here: they are for the platform running the
+service, not for its callers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -12,8 +17,10 @@ from pydantic import BaseModel
 from shared.client._calls import UNSET, Call, Unset, dump, fields, model, nothing, page, present, query
 from shared.client.errors import InvalidRequest, is_replayed
 from shared.client.models import (
+    AiProvider,
     ApiKey,
     ApiKeyCreated,
+    DefaultModelRoute,
     EntryHistory,
     EntryWrite,
     ExtractionStatus,
@@ -22,8 +29,11 @@ from shared.client.models import (
     KnowledgeResult,
     Memory,
     MemoryEntry,
+    ModelRoute,
+    ModelUsage,
     Page,
     Project,
+    ProvenanceCleared,
     ToolResult,
     WriteStatus,
 )
@@ -31,6 +41,7 @@ from shared.events import SourceType, WriteAction, WritePolicy
 from shared.ids import IDEMPOTENCY_KEY
 
 Json = Mapping[str, Any]
+TagValue = str | int | float | bool
 
 
 def _id(value: str) -> str:
@@ -241,6 +252,18 @@ def knowledge_context(
 # Agent paths --------------------------------------------------------------------------------------
 
 
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    if not isinstance(body, dict):  # a TypeError is read as a response that is not the API's
+        raise TypeError(f"a JSON object was expected, not {type(body).__name__}")
+    return body
+
+
+def write_memory_tool() -> Call[dict[str, Any]]:
+    """The `write_memory` tool definition, in the OpenAI tool format, to hand to a model as it is."""
+    return Call("GET", "/tools/write_memory", _json_object)
+
+
 def write_memory(
     content: str,
     agent: Json | BaseModel,
@@ -271,8 +294,11 @@ def generation_completed(
     streamed: bool = False,
     status: str = "completed",
     project_id: str | None = None,
+    occurred_at: datetime | None = None,
 ) -> Call[GenerationAccepted]:
-    """Report a finished model turn for automatic extraction; `extraction_status` tells the outcome."""
+    """Report a finished model turn for automatic extraction; `extraction_status` tells the outcome.
+    `occurred_at` is when the turn ended, for a turn reported late (a naive time is read as UTC): a forgetting of
+    its generation or conversation made after it does not apply to its facts."""
     body = fields(
         generation_id=generation_id,
         agent=dump(agent),
@@ -283,13 +309,131 @@ def generation_completed(
         streamed=streamed,
         status=status,
         project_id=project_id,
+        occurred_at=occurred_at.isoformat() if occurred_at is not None else None,
     )
     return Call("POST", "/generations/completed", model(GenerationAccepted), body=body)
 
 
 def extraction_status(generation_id: str, *, project_id: str | None = None) -> Call[ExtractionStatus]:
+    # A "/" in the id is sent as %2F: the route takes it whole (`:path`), and `..` cannot reach another route.
     path = f"/generations/{_id(generation_id)}/extraction"
     return Call("GET", path, model(ExtractionStatus), params=query(project_id=project_id))
+
+
+def orchestration_write(
+    memory_id: str,
+    content: Any,
+    *,
+    tags: Sequence[str] | Mapping[str, TagValue] | None = None,
+    metadata: Json | None = None,
+    source_type: SourceType | str | None = None,
+    idempotency_key: str | None = None,
+) -> Call[EntryWrite]:
+    """An orchestration `memory_write` node's write: `content` is the mapped input (anything but a string is
+    stored JSON-encoded), `tags` a list or a `{key: value}` map stored as `key:value` tags. It never merges
+    (exact duplicates are still skipped); the outcome and the `idempotency_key` replay are those of `create_entry`."""
+    body = fields(
+        memory_id=memory_id,
+        content=content,
+        tags=dict(tags) if isinstance(tags, Mapping) else tags,
+        metadata=metadata,
+        source_type=source_type,
+    )
+    headers = {"Idempotency-Key": _idempotency_key(idempotency_key)} if idempotency_key is not None else {}
+    return Call("POST", "/orchestration/memory-write", _entry_write, body=body, headers=headers)
+
+
+# Provenance ---------------------------------------------------------------------------------------
+
+
+def forget_generation(generation_id: str, *, project_id: str | None = None) -> Call[ProvenanceCleared]:
+    """A generation was deleted: its entries stop citing it, the facts stay. `.cleared` counts the entries."""
+    path = f"/generations/{_id(generation_id)}/provenance"  # a "/" as in `extraction_status`
+    return Call("DELETE", path, model(ProvenanceCleared), params=query(project_id=project_id))
+
+
+def forget_conversation(conversation_id: str, *, project_id: str | None = None) -> Call[ProvenanceCleared]:
+    """A conversation was deleted: its entries stop citing it, the facts stay. `.cleared` counts the entries."""
+    path = f"/conversations/{_id(conversation_id)}/provenance"
+    return Call("DELETE", path, model(ProvenanceCleared), params=query(project_id=project_id))
+
+
+# Model registry (admin token) ---------------------------------------------------------------------
+
+
+def create_ai_provider(
+    name: str,
+    provider: str,
+    *,
+    project_id: str | None = None,
+    api_base: str | None = None,
+    api_key_env: str | None = None,
+    default_model: str | None = None,
+) -> Call[AiProvider]:
+    """`provider` is litellm's prefix (`openai`); `api_key_env` names the service's environment variable holding
+    the key, never the key itself."""
+    body = fields(
+        project_id=project_id,
+        name=name,
+        provider=provider,
+        api_base=api_base,
+        api_key_env=api_key_env,
+        default_model=default_model,
+    )
+    return Call("POST", "/ai-providers", model(AiProvider), body=body)
+
+
+def list_ai_providers(
+    *, project_id: str | None = None, limit: int | None = None, offset: int | None = None
+) -> Call[Page[AiProvider]]:
+    params = query(project_id=project_id, limit=limit, offset=offset)
+    return Call("GET", "/ai-providers", page(AiProvider), params=params)
+
+
+def delete_ai_provider(provider_id: str) -> Call[None]:
+    """Refused (Conflict, with the `model_route_ids` in `.meta`) while a model route targets it."""
+    return Call("DELETE", f"/ai-providers/{_id(provider_id)}", nothing)
+
+
+def create_model_route(
+    name: str, targets: Sequence[Json | BaseModel], *, project_id: str | None = None
+) -> Call[ModelRoute]:
+    """`targets` (1 to 10: `{ai_provider_id, model?}` or `ModelRouteTarget`) are tried in order, failing over;
+    a target without a model uses its provider's `default_model`."""
+    body = fields(project_id=project_id, name=name, targets=[dump(target) for target in targets])
+    return Call("POST", "/model-routes", model(ModelRoute), body=body)
+
+
+def list_model_routes(
+    *, project_id: str | None = None, limit: int | None = None, offset: int | None = None
+) -> Call[Page[ModelRoute]]:
+    params = query(project_id=project_id, limit=limit, offset=offset)
+    return Call("GET", "/model-routes", page(ModelRoute), params=params)
+
+
+def delete_model_route(route_id: str) -> Call[None]:
+    """Also clears the project's default route if it was this one."""
+    return Call("DELETE", f"/model-routes/{_id(route_id)}", nothing)
+
+
+def get_default_model_route(project_id: str) -> Call[DefaultModelRoute]:
+    """The route a project's agents use when they name no model (`.model_route_id` None: none set)."""
+    return Call("GET", f"/projects/{_id(project_id)}/default-model-route", model(DefaultModelRoute))
+
+
+def set_default_model_route(project_id: str, model_route_id: str | None) -> Call[DefaultModelRoute]:
+    """None clears the default."""
+    path = f"/projects/{_id(project_id)}/default-model-route"
+    # Not `fields`: the null that clears must be sent.
+    return Call("PUT", path, model(DefaultModelRoute), body={"model_route_id": model_route_id})
+
+
+def usage(
+    *, project_id: str | None = None, limit: int | None = None, offset: int | None = None
+) -> Call[Page[ModelUsage]]:
+    """The project's LLM calls and tokens, one row per provider, model and purpose (extraction, merge, …)."""
+    params = query(project_id=project_id, limit=limit, offset=offset)
+    return Call("GET", "/usage", page(ModelUsage), params=params)
 
 
 # API keys (admin token) ---------------------------------------------------------------------------

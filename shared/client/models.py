@@ -162,6 +162,49 @@ class ExtractionStatus(Result):
     updated_at: datetime
 
 
+class ProvenanceCleared(Result):
+    cleared: int  # how many entries cited the generation or conversation
+
+
+class AiProvider(Result):
+    id: str
+    project_id: str
+    name: str
+    provider: str  # litellm's prefix, e.g. openai
+    api_base: str | None = None  # shown without credentials
+    api_key_env: str | None = None  # the NAME of the variable holding the key
+    default_model: str | None = None
+    created_at: datetime
+
+
+class ModelRouteTarget(Result):
+    ai_provider_id: str
+    model: str | None = None  # None: the provider's default_model
+
+
+class ModelRoute(Result):
+    id: str
+    project_id: str
+    name: str
+    targets: list[ModelRouteTarget]  # tried in order
+    created_at: datetime
+
+
+class DefaultModelRoute(Result):
+    model_route_id: str | None  # None: the project has no default route
+
+
+class ModelUsage(Result):
+    """The LLM calls of a project for one provider, model and purpose (extraction, merge, …)."""
+
+    ai_provider_id: str | None = None  # None: a model not reached through a registered provider
+    model: str
+    purpose: str
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
 class ApiKey(Result):
     id: str
     project_id: str
