@@ -152,6 +152,15 @@ class WriteApplier:
         while len(self._arbitrating) > _POLICIES_REMEMBERED:  # the least recently written is forgotten first
             self._arbitrating.popitem(last=False)
 
+    async def embedder_answers(self) -> bool:
+        """Whether the embedding model answers now (a failure that would recur counts as an answer: waiting would
+        not cure it)."""
+        try:
+            await self._embed(["Is the embedding model back?"])
+        except EmbeddingError as exc:
+            return not exc.transient
+        return True
+
     async def apply(self, event: MemoryWriteRequested) -> AppliedWrite:
         """Decide and apply one write."""
         (prepared,) = await self.prepare([event])

@@ -402,6 +402,12 @@ def fake_provider() -> Iterator[Any]:
                 raise RuntimeError("upstream exploded")
             if model == "ratelimited":
                 raise litellm.RateLimitError(message="slow down", llm_provider="fake", model=model)
+            if model == "overloaded":
+                raise litellm.ServiceUnavailableError(message="try later", llm_provider="fake", model=model)
+            if model == "failing":
+                raise litellm.InternalServerError(message="oops", llm_provider="fake", model=model)
+            if model == "unreachable":
+                raise ConnectionRefusedError("connection refused")
             if model == "rejecting":
                 raise litellm.BadRequestError(message="input too long", llm_provider="fake", model=model)
             if model == "hung":
@@ -436,8 +442,11 @@ async def test_failing_provider_raises_embedding_error(fake_provider: Any) -> No
     ("model", "transient"),
     [
         ("fake/ratelimited", True),  # a 429
-        ("fake/boom", True),  # a failure litellm cannot place: a connection error to it (500)
+        ("fake/overloaded", True),  # a 503
+        ("fake/unreachable", True),  # the network under litellm, whatever it calls it (a 500 connection error)
         ("fake/rejecting", False),  # a 400: the same text would be rejected again
+        ("fake/failing", False),  # a 500: as likely a bug that recurs, which would hold a partition for ever
+        ("fake/boom", False),  # an exception litellm cannot place (a 500 "connection error" to it)
         ("fake/short", False),  # an unusable answer
     ],
 )

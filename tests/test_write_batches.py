@@ -341,9 +341,29 @@ async def test_a_write_whose_embedding_may_pass_waits_for_it_and_is_decided(
             stored = await session.get(WriteOutcome, incoming.write_id)
         assert stored is not None and (stored.status, stored.action) == ("applied", "created")
         assert stored.failed_attempts == 0
-        assert len(embedder.calls) == 4  # three refusals waited out in place, then the embedding
+        # Refused as it was prepared and by two probes, waited out in place; the probe that answered, then the embedding.
+        assert len(embedder.calls) == 5
         assert await partition.unacknowledged() == 0
     assert await valid_contents(sessions, memory["id"]) == ["Hana runs marathons"]
+
+
+async def test_an_embedders_outage_is_waited_out_until_it_answers_a_probe(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # Decided again after each pause, a set-aside merge asked its model again every time (its rewrite is checked by
+    # its embedding, which failed): up to 120 paid calls an hour a lane while the embedder was down.
+    embedder = FlakyEmbedder(failures=2)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        handler = WriteHandler(WriteApplier(sessions, embedder, "flaky"), nc, settings, model_lanes=1)
+        down = EmbeddingError("flaky", "RateLimitError: slow down", transient=True)
+        await asyncio.wait_for(handler._wait_out(down, 0.01), 10)
+        assert len(embedder.calls) == 3  # two probes refused, the third answered: only then is the batch decided
+        database_down = OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+        await asyncio.wait_for(handler._wait_out(database_down, 0.01), 10)
+        assert len(embedder.calls) == 3  # another outage asks the embedder nothing
+    finally:
+        await nc.close()
 
 
 async def test_an_exact_copy_gone_before_the_lock_is_embedded_aside_not_in_the_shared_transaction(

@@ -6,7 +6,8 @@ while the partition goes on with the other memories: a slow model holds up its o
 neighbours'. A memory's writes are decided in their order either way.
 
 Error map of this edge: a payload that does not decode is dead-lettered at once (retrying cannot fix it);
-an outage of the database or the bus is waited out in place, in order, for as long as it lasts; any other failure
+an outage of the database, the bus or a remote embedder is waited out in place, in order, for as long as it lasts;
+any other failure
 is retried and dead-lettered after MEMORIES_MAX_DELIVER deliveries.
 """
 
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 
 from shared import bus, metrics
 from shared.batching import Coalescer
+from shared.embeddings import EmbeddingError
 from shared.events import MemoryEntryChanged, MemoryWriteOutcome, MemoryWriteRequested, WriteError
 from shared.ids import EVENT_PREFIX, new_id
 from shared.logs import log_context
@@ -112,11 +114,16 @@ class WriteHandler:
         return batch
 
     async def _wait_out(self, outage: Exception, pause: float) -> float:
-        """One pause of a wait in place for an outage to end (cut short by a stop); the next pause."""
-        log.warning("outage: the batch waits in place, in order (%s)", str(outage) or "unreachable")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), pause)
-        return min(pause * 2, bus.RETRY_DELAY_MAX_S)
+        """A wait in place for an outage to end (cut short by a stop); the next pause. An embedder's lasts until it
+        answers a probe: decided again before, a set-aside merge would ask its model again at every pause (its
+        rewrite is checked by its embedding, after the model answered)."""
+        while True:
+            log.warning("outage: the batch waits in place, in order (%s)", str(outage) or "unreachable")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), pause)
+            pause = min(pause * 2, bus.RETRY_DELAY_MAX_S)
+            if self._stop.is_set() or not isinstance(outage, EmbeddingError) or await self._applier.embedder_answers():
+                return pause
 
     def _set_aside(self, batch: PreparedBatch, indices: Sequence[int]) -> None:
         """The writes at `indices`, each memory's in a lane after the writes it has set aside already: decided

@@ -109,14 +109,24 @@ async def embed_texts(
         return _unit_vectors(response, model, len(texts), dimensions)
 
 
+_PASSING_STATUSES = frozenset({408, 429, 502, 503, 504})
+"""A timeout, a rate limit, an upstream unreachable or overloaded. Not a 500: litellm gives it also to any exception
+it cannot place (a bug, an answer it cannot read), which would recur on every try and hold a writer's partition."""
+
+
 def _may_pass(failure: Exception) -> bool:
-    """Whether a remote provider's failure may pass on its own: litellm gives each the HTTP status it stands for
-    (a timeout 408, a rate limit 429, a connection failure or an overloaded provider 5xx); a failure below litellm's
-    mapping is the network's."""
-    status = getattr(failure, "status_code", None)
-    if isinstance(status, int):
-        return status in (408, 429) or status >= 500
-    return isinstance(failure, OSError | TimeoutError)
+    """Whether a remote provider's failure may pass on its own: a passing HTTP status, or, whatever litellm called
+    it, a failure of the network under it (a connection refused or dropped, a timeout)."""
+    import httpx
+
+    if getattr(failure, "status_code", None) in _PASSING_STATUSES:
+        return True
+    cause: BaseException | None = failure
+    while cause is not None:
+        if isinstance(cause, OSError | TimeoutError | httpx.TransportError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _unit_vectors(response: Any, model: str, expected: int, dimensions: int | None) -> list[list[float]]:
