@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +13,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from shared.events import problem_of, storable
 
@@ -165,8 +165,8 @@ def install(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         headers = exc.headers
-        if exc.status_code == 405:  # Starlette's Allow names the methods of the first route of the path only
-            headers = {**(headers or {}), "Allow": ", ".join(_methods_of(request))}
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _methods_of(request, (headers or {}).get("Allow"))}
         return envelope(exc.status_code, message, headers=headers)
 
     @app.exception_handler(OperationalError)
@@ -207,17 +207,18 @@ def install(app: FastAPI) -> None:
         return envelope(500, "internal error")
 
 
-def _methods_of(request: Request) -> list[str]:
-    """Every method the routes of the request's path take, read from the app's OpenAPI document (the one public
-    list of its routes: FastAPI keeps included routers nested)."""
-    paths = getattr(request.app.state, "methods_by_path", None)
-    if paths is None:
-        paths = [
-            (re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template)) + "$"), [m.upper() for m in operations])
-            for template, operations in request.app.openapi()["paths"].items()
-        ]
-        request.app.state.methods_by_path = paths
-    return sorted({method for pattern, allowed in paths if pattern.match(request.url.path) for method in allowed})
+def _methods_of(request: Request, told: str | None) -> str:
+    """Every method the routes of the request's path take. Starlette names those of the first route that matches
+    the path only (one route per method here), and FastAPI keeps an included router's routes inside it
+    (`effective_route_contexts`); what Starlette said is kept when nothing else is found."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        nested = getattr(route, "effective_route_contexts", None)
+        for candidate in nested() if nested else (route,):
+            match, _ = candidate.matches(request.scope)
+            if match is not Match.NONE:
+                methods.update(getattr(candidate, "methods", None) or ())
+    return ", ".join(sorted(methods)) if methods else told or ""
 
 
 _ERRORS_BY_STATUS = {
