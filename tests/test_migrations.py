@@ -4,6 +4,7 @@ fails here, not in production."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -116,6 +117,35 @@ async def test_a_service_waits_for_the_schema_its_version_needs_and_not_for_a_la
         await asyncio.wait_for(waiting, 5)
         await set_revision("9999")  # made by a later version
         await asyncio.wait_for(wait_for_schema(engine, poll_s=0.05), 1)
+        await set_revision(needed)
+        # Nothing migrated yet (no alembic_version): waited for, until `memories migrate` has made it.
+        async with engine.begin() as connection:
+            await connection.execute(sa.text("ALTER TABLE alembic_version RENAME TO alembic_version_aside"))
+        waiting = asyncio.create_task(wait_for_schema(engine, poll_s=0.05))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        async with engine.begin() as connection:
+            await connection.execute(sa.text("ALTER TABLE alembic_version_aside RENAME TO alembic_version"))
+        await asyncio.wait_for(waiting, 5)
     finally:
+        async with engine.begin() as connection:
+            await connection.execute(sa.text("ALTER TABLE IF EXISTS alembic_version_aside RENAME TO alembic_version"))
         await set_revision(needed)
         await engine.dispose()
+
+
+async def test_a_service_waits_for_a_database_it_cannot_reach_yet_before_it_trusts_its_schema(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It went on unchecked: a failover during an upgrade let a new pod start on the old schema.
+    unreachable = create_engine("postgresql+psycopg://memories@127.0.0.1:9/memories", pool_size=1, max_overflow=0)
+    waiting = asyncio.create_task(wait_for_schema(unreachable, poll_s=0.05))
+    try:
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        assert "the database's schema cannot be checked yet" in caplog.text
+    finally:
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await unreachable.dispose()

@@ -10,6 +10,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from psycopg.errors import UndefinedTable
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -40,8 +41,9 @@ async def wait_for_schema(engine: AsyncEngine, *, poll_s: float = SCHEMA_POLL_S)
 
     Deployed beside the migration that it needs (an upgrade's init Job runs `memories migrate` while the new pods
     start), a service answered 500 on the columns and tables not made yet, and failed writes for it. A later schema
-    (this is an old pod of a rolling upgrade) is fine: a migration keeps the previous version working. A database
-    that cannot be reached now is not waited for here: the service starts and waits for it as it would later."""
+    (this is an old pod of a rolling upgrade) is fine: a migration keeps the previous version working. A database that
+    cannot be reached is waited for too (a failover during the upgrade): started on the old schema meanwhile, the
+    service would fail as above."""
     script = ScriptDirectory.from_config(alembic_config(""))
     needed = script.get_current_head()
     known = {revision.revision for revision in script.walk_revisions()}
@@ -50,11 +52,15 @@ async def wait_for_schema(engine: AsyncEngine, *, poll_s: float = SCHEMA_POLL_S)
         try:
             async with engine.connect() as connection:
                 current = await connection.scalar(text("SELECT version_num FROM alembic_version"))
-        except ProgrammingError:  # no alembic_version: nothing migrated yet
-            current = None
+        except ProgrammingError as exc:
+            if not isinstance(exc.orig, UndefinedTable):  # a privilege missing, say: no migration will cure it
+                raise
+            current = None  # nothing migrated yet
         except (OperationalError, OSError) as exc:
-            log.warning("the database's schema could not be checked: %s", str(exc).splitlines()[0])
-            return
+            log.warning("the database's schema cannot be checked yet: %s", str(exc).splitlines()[0])
+            waited = True
+            await asyncio.sleep(poll_s)
+            continue
         if current == needed or (current is not None and current not in known):
             if waited:
                 log.info("the database's schema is at %s: starting", current)
