@@ -106,9 +106,11 @@ class ConsumerProcess:
         # Answering first (/healthz alive, /readyz not yet): a start that waits out an outage of the bus or a
         # migration still running is alive, and a startup probe must not restart it for that.
         self._metrics_server = await serve_metrics(self.settings, ready=self.is_ready)
-        await wait_for_schema(self.engine)
         self.nc = await bus_connection.connect(self.settings.nats_url or "", name=f"memories-{self.role}", settings=self.settings)
+        # The bus first: a service configured unlike it (another partition count) says so at once, whatever the
+        # database's state.
         await bus.ensure_layout(self.nc.jetstream(), self.settings, self.role)
+        await wait_for_schema(self.engine)
         await self.prepare(self.nc)
         freeze_long_lived_objects()
         await self.broker.start()

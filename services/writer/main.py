@@ -23,7 +23,7 @@ from shared import bus, metrics
 from shared.batching import Coalescer
 from shared.consumer_process import ConsumerProcess
 from shared.db.session import check_embedding_dimensions, session_factory
-from shared.embeddings import embed_texts
+from shared.embeddings import embed_texts, preload
 from shared.settings import Settings
 from shared.writes import WriteApplier
 
@@ -73,7 +73,10 @@ class Writer(ConsumerProcess):
             default_model=self.settings.memories_merge_model,
             llm_timeout=self.settings.memories_llm_timeout_s,
         )
-        await embed_batch(["warm up"])  # loads litellm and the model before the first write waits on them
+        # litellm's imports and the model's load off the event loop (seconds, on which /healthz would wait), then a
+        # first run before the first write waits on it.
+        await asyncio.to_thread(preload, model)
+        await embed_batch(["warm up"])
         self._handler = WriteHandler(applier, nc, self.settings, model_lanes=self._model_lanes)
         self._provenance = ProvenanceHandler(session_factory(self.engine), self._handler.dead_letter, self.settings)
 
