@@ -238,7 +238,7 @@ class History(Page[HistoryRecord]):
 
 @router.get(
     "/{entry_id}/history",
-    summary="Every decision that touched an entry, oldest first (also after it was invalidated)",
+    summary="A page of the decisions that touched an entry, oldest first (also after it was invalidated)",
     dependencies=[require("memories:GetMemoryEntry")],
 )
 async def entry_history(entry_id: str, session: ReadSessionDep, principal: PrincipalDep, paging: PagingDep) -> History:
