@@ -421,7 +421,9 @@ class WriteApplier:
 
     async def _meter(self, project_id: str, *asked: ModelSteps | None) -> None:
         """The tokens of the model calls a decision made, stored at once in a transaction of their own: the
-        decision's may still fail after them (and the write be tried again), and they were spent all the same."""
+        decision's may still fail after them (and the write be tried again), and they were spent all the same. With
+        the database down at that moment they are logged and not stored (the metrics have them): metering fails no
+        write."""
         spent = [
             (steps.agent.ai_provider_id, purpose, completion)
             for steps in {id(s): s for s in asked if s}.values()
