@@ -302,14 +302,11 @@ class Extractor:
                 except LlmError as exc:
                     failures.append(exc)
                     break
-                await self._record_usage(event.project_id, target, completion)
+                spent = registry.Spent(target.ai_provider_id, Purpose.EXTRACTION, completion)
+                await registry.record_usage(self._sessions, event.project_id, [spent])
                 return target, completion
         retryable = [failure for failure in failures if not isinstance(failure, PromptTooLong)]
         raise (retryable or failures or [LlmError("no target to try")])[-1]
-
-    async def _record_usage(self, project_id: str, target: Target, completion: Completion) -> None:
-        async with self._sessions.begin() as session:
-            await registry.add_usage(session, project_id, target.ai_provider_id, completion, Purpose.EXTRACTION)
 
     async def _write(
         self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target, turn_time: datetime

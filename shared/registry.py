@@ -3,13 +3,14 @@ extraction outcomes. Functions take a session and never commit."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, null, select, update
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared.db.models import AiProvider, GenerationExtraction, LlmUsage, ModelRoute, ProjectSettings
 from shared.ids import PROVIDER_PREFIX, ROUTE_PREFIX, is_valid_id, new_id
@@ -103,20 +104,32 @@ async def load_model_registry(
     return providers, routes, await get_default_route(session, project_id)
 
 
-async def add_usage(
-    session: AsyncSession, project_id: str, ai_provider_id: str | None, completion: Completion, purpose: str
-) -> None:
-    session.add(
-        LlmUsage(
-            project_id=project_id,
-            ai_provider_id=ai_provider_id,
-            model=completion.model,
-            purpose=purpose,
-            prompt_tokens=completion.prompt_tokens,
-            completion_tokens=completion.completion_tokens,
+@dataclass(frozen=True)
+class Spent:
+    """One model call's tokens, metered to the provider that served it (None: a model named without one)."""
+
+    ai_provider_id: str | None
+    purpose: str
+    completion: Completion
+
+
+async def record_usage(sessions: async_sessionmaker[AsyncSession], project_id: str, spent: Sequence[Spent]) -> None:
+    """Stored at once, in a transaction of its own: the work that asked the models may still fail (and be tried
+    again), and the tokens were spent all the same."""
+    if not spent:
+        return
+    async with sessions.begin() as session:
+        session.add_all(
+            LlmUsage(
+                project_id=project_id,
+                ai_provider_id=call.ai_provider_id,
+                model=call.completion.model,
+                purpose=call.purpose,
+                prompt_tokens=call.completion.prompt_tokens,
+                completion_tokens=call.completion.completion_tokens,
+            )
+            for call in spent
         )
-    )
-    await session.flush()
 
 
 async def usage_summary(session: AsyncSession, project_id: str) -> list[dict[str, Any]]:

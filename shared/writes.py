@@ -420,21 +420,16 @@ class WriteApplier:
         )
 
     async def _meter(self, project_id: str, *asked: ModelSteps | None) -> None:
-        """The tokens of the model calls a decision made, stored at once in a transaction of their own: the
-        decision's may still fail after them (and the write be tried again), and they were spent all the same. With
-        the database down at that moment they are logged and not stored (the metrics have them): metering fails no
-        write."""
+        """The tokens of the model calls a decision made (`registry.record_usage`: before the decision's own
+        transaction ends, which may still fail). With the database down at that moment they are logged and not
+        stored (the metrics have them): metering fails no write."""
         spent = [
-            (steps.agent.ai_provider_id, purpose, completion)
+            registry.Spent(steps.agent.ai_provider_id, purpose, completion)
             for steps in {id(s): s for s in asked if s}.values()
             for purpose, completion in steps.completions
         ]
-        if not spent:
-            return
         try:
-            async with self._sessions.begin() as session:
-                for provider_id, purpose, completion in spent:
-                    await registry.add_usage(session, project_id, provider_id, completion, purpose)
+            await registry.record_usage(self._sessions, project_id, spent)
         except Exception as exc:  # noqa: BLE001 - metering fails no write; the metrics counted the tokens already
             log.warning("the usage of %d model calls could not be stored: %s", len(spent), exc)
 

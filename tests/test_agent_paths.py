@@ -887,9 +887,11 @@ async def test_the_registrys_lists_are_paged_like_every_list(
         listed = (await client.get(path, params={"project_id": project_id})).json()
         assert set(listed) == {"data", "total", "limit", "offset"} and listed["limit"] == 50
     # Usage of the same model for the same purpose through three providers (and none): a page never repeats a row.
-    async with sessions.begin() as session:
-        for provider_id in (providers[2]["id"], None, providers[0]["id"], providers[1]["id"]):
-            await registry.add_usage(session, project_id, provider_id, Completion("answer", "m", 1, 1), "merge")
+    answer = Completion("answer", "m", 1, 1)
+    await registry.record_usage(sessions, project_id, [
+        registry.Spent(provider_id, "merge", answer)
+        for provider_id in (providers[2]["id"], None, providers[0]["id"], providers[1]["id"])
+    ])
     paged = [row["ai_provider_id"] for offset in range(4) for row in (await client.get(
         "/usage", params={"project_id": project_id, "limit": 1, "offset": offset})).json()["data"]]
     assert paged == [None, *sorted(p["id"] for p in providers)]
