@@ -62,8 +62,7 @@ def _consumers_of(role: bus.Role) -> list[str]:
     plan = bus.layout(Settings.model_construct(memories_partitions=1))  # the durables' names, not the environment
     owned = {
         (consumer.stream, "*" if consumer.stream == bus.WRITES_STREAM else consumer.durable)
-        for consumer in plan.consumers
-        if consumer.owner == role
+        for consumer in plan.consumers_of(role)
     }
     return [subject for stream, durable in sorted(owned) for subject in _consumes(stream, durable)]
 

@@ -32,10 +32,6 @@ log = logging.getLogger("memories.writer")
 STOP_BUDGET_S = 10.0
 """How long a stopping writer finishes what it holds (batches in hand, writes set aside); the rest is redelivered."""
 
-_DELETIONS = (bus.WRITER_GENERATION_DELETIONS, bus.WRITER_CONVERSATION_DELETIONS)
-"""The deletion consumers every writer replica shares with the others."""
-
-
 class Writer(ConsumerProcess):
     """One writer replica; `start`/`stop` also let tests run replicas in-process."""
 
@@ -51,8 +47,11 @@ class Writer(ConsumerProcess):
         self._handler: WriteHandler | None = None
         self._provenance: ProvenanceHandler | None = None
         self._partition_consumers: list[PartitionConsumer] = []
-        for durable in _DELETIONS:
-            self.subscribe(durable, workers=1)(self._handle_deletion)
+        # Beside its partitions (pulled by PartitionConsumer), the consumers every writer replica shares: deletions.
+        owned = bus.layout(settings).consumers_of(self.role)
+        self._deletion_consumers = [consumer for consumer in owned if consumer.stream != bus.WRITES_STREAM]
+        for consumer in self._deletion_consumers:
+            self.subscribe(consumer.durable, workers=1)(self._handle_deletion)
 
     async def _handle_deletion(self, message: NatsMessage) -> None:
         assert self._provenance is not None
@@ -112,7 +111,7 @@ class Writer(ConsumerProcess):
 
     def consumers(self) -> list[metrics.ConsumerRef]:
         """Its partitions and the deletions, so their lag shows while this replica runs."""
-        deletions = [(bus.GENERATIONS_STREAM, durable) for durable in _DELETIONS]
+        deletions = [(consumer.stream, consumer.durable) for consumer in self._deletion_consumers]
         return metrics.writer_consumers(self.settings, self.partitions) + deletions
 
 
