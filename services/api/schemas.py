@@ -34,18 +34,14 @@ from shared.events import (
 )
 
 
-def _utc(value: datetime | None) -> str | None:
-    return None if value is None else value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+def _utc(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 _DATE_TIME = WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization")
 """Said in the published schema, so that a generated client reads a time, not a plain string."""
 Timestamp = Annotated[datetime, PlainSerializer(_utc, return_type=str), _DATE_TIME]
-OptionalTimestamp = Annotated[
-    datetime | None, PlainSerializer(_utc, return_type=str | None), WithJsonSchema(
-        {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}]}, mode="serialization"
-    )
-]
+OptionalTimestamp = Timestamp | None
 Name = Annotated[
     str,
     StringConstraints(min_length=1, max_length=255, strip_whitespace=True),
