@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, Field, field_serializer
@@ -66,6 +66,17 @@ class RouteOut(BaseModel):
 
 class DefaultRoute(Strict):
     model_route_id: Text | None
+
+
+class UsageOut(BaseModel):
+    """A project's model calls for one provider, model and purpose."""
+
+    ai_provider_id: str | None = Field(description="none: a model named without a registered provider")
+    model: str
+    purpose: str = Field(description="extraction, merge or arbitration")
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
 
 
 @router.post("/ai-providers", status_code=status.HTTP_201_CREATED, summary="Register an AI provider")
@@ -155,6 +166,6 @@ async def set_default_route(project_id: str, body: DefaultRoute, session: Sessio
 @router.get("/usage", summary="LLM token usage of a project by provider, model and purpose")
 async def usage(
     session: ReadSessionDep, admin: AdminDep, paging: PagingDep, project_id: str | None = None
-) -> Page[dict[str, Any]]:
+) -> Page[UsageOut]:
     project = await resolve_project(session, admin, project_id)
-    return page_of(await registry.usage_summary(session, project), paging)
+    return page_of([UsageOut(**row) for row in await registry.usage_summary(session, project)], paging)
