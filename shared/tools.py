@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -63,13 +62,12 @@ async def call_write_memory(
     content: Any,
     generation_id: str | None,
     timeout: float,
-    on_memory_gone: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Execute one `write_memory` tool call, its `content` as the model gave it; the result goes back to the
     model: `{action, entry_id}`, `{error}`, or `{status: "pending", write_id, message}` when the writer has not
     decided within `timeout` (the write is queued and will be applied: an error there would have the model write
     the fact again). The caller has checked that `write_memory_id` is a memory of
-    `project_id`; `on_memory_gone` is told when the writer found it deleted since."""
+    `project_id`."""
     memory_id = agent.knowledge_config.write_memory_id
     if not memory_id:
         return {"error": NO_WRITE_MEMORY}
@@ -85,7 +83,5 @@ async def call_write_memory(
     if outcome is None:
         return {"status": "pending", "write_id": event.write_id, "message": PENDING_MESSAGE}
     if outcome.error is not None:
-        if outcome.error.code == "RESOURCE_NOT_FOUND" and on_memory_gone is not None:
-            on_memory_gone(memory_id)
         return {"error": outcome.error.message}
     return {"action": str(outcome.action), "entry_id": outcome.entry_id}

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import datetime
 
 from nats.aio.client import Client as NatsClient
@@ -54,10 +54,20 @@ def request_hash(event: MemoryWriteRequested) -> str:
 
 
 class WriteGateway:
-    def __init__(self, nc: NatsClient, sessions: async_sessionmaker[AsyncSession], partitions: int) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        sessions: async_sessionmaker[AsyncSession],
+        partitions: int,
+        *,
+        on_memory_gone: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_memory_gone`: told of a memory a writer found deleted (the API's memory owners forget it, so that
+        its next write, a REST one or a tool call, is refused without the bus)."""
         self._nc = nc
         self._sessions = sessions
         self._partitions = partitions
+        self._on_memory_gone = on_memory_gone
         self._inbox = nc.new_inbox()  # under the process's own inbox prefix: its user's alone (shared.bus_permissions)
         self._waiting: dict[str, asyncio.Future[MemoryWriteOutcome]] = {}
 
@@ -186,11 +196,14 @@ class WriteGateway:
                 msg_id=f"{event.write_id}.{attempt}",
             )
             try:
-                return await asyncio.wait_for(future, timeout)
+                outcome = await asyncio.wait_for(future, timeout)
             except TimeoutError:
                 return None
         finally:
             self._waiting.pop(event.write_id, None)
+        if outcome.error is not None and outcome.error.code == "RESOURCE_NOT_FOUND" and self._on_memory_gone:
+            self._on_memory_gone(event.memory_id)
+        return outcome
 
     async def _await_stored(
         self, write_id: str, deadline: float, *, claimed_at: datetime

@@ -72,7 +72,9 @@ def create_app(settings: Settings) -> FastAPI:
         nc = await bus_connection.connect(settings.nats_url, name="memories-api", settings=settings)
         await bus.ensure_layout(nc.jetstream(), settings, bus.Role.API)
         sessions = session_factory(engine)
-        gateway = WriteGateway(nc, sessions, settings.memories_partitions)
+        memory_owners = MemoryOwners()
+        # A memory deleted through another API process: forgotten here once a writer finds it gone.
+        gateway = WriteGateway(nc, sessions, settings.memories_partitions, on_memory_gone=memory_owners.forget)
         await gateway.start()
         app.state.settings = settings
         app.state.admin_token = settings.memories_admin_token
@@ -86,7 +88,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.nats = nc
         app.state.announcing = set()  # change events on their way (routes/entries.py), waited for at shutdown
         app.state.gateway = gateway
-        app.state.memory_owners = MemoryOwners()
+        app.state.memory_owners = memory_owners
         app.state.live_keys = LiveKeys(nc, settings.memories_api_key_cache_s)
         await app.state.live_keys.start()
         # Every consumer of the layout, whichever replicas run: the backlog of a partition range whose writer is

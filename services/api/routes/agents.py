@@ -103,8 +103,6 @@ async def write_memory(body: WriteMemoryCall, request: Request, session: ReadSes
         content=body.content,
         generation_id=body.generation_id,
         timeout=request.app.state.settings.memories_write_timeout_s,
-        # Deleted through another API process: the next call is answered here, without the bus and a writer.
-        on_memory_gone=owners.forget,
     )
     return ToolResult(**result)
 

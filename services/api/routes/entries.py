@@ -159,9 +159,6 @@ async def submit_write(
     if outcome is None:
         accepted = WriteAccepted(write_id=event.write_id, status="pending")
         return JSONResponse(accepted.model_dump(), status_code=status.HTTP_202_ACCEPTED)
-    if outcome.error is not None and outcome.error.code == "RESOURCE_NOT_FOUND":
-        # Deleted through another API process: the next write to it is refused here, without the bus.
-        request.app.state.memory_owners.forget(event.memory_id)
     return await _answer(session, outcome)
 
 
