@@ -359,6 +359,16 @@ def test_the_monitoring_uis_listen_on_the_docker_host_only_and_grafana_has_no_de
     assert 'echo "GRAFANA_ADMIN_PASSWORD=$(openssl rand -hex 16)"' in header
 
 
+def test_compose_keeps_the_admin_token_in_its_env_file() -> None:
+    # Exported in one shell, the token was missing from every later `docker compose` command (an upgrade, a scale,
+    # `run --rm bus-init dlq list`), and each new start made a new one, refusing the clients that held the old.
+    header = compose_text().split("\nname:")[0]
+    assert 'echo "MEMORIES_ADMIN_TOKEN=$(openssl rand -hex 32)"; } > deploy/.env' in header
+    assert "export MEMORIES_ADMIN_TOKEN" not in (ROOT / "docs/operations.md").read_text()
+    token = compose()["x-memories-env"]["MEMORIES_ADMIN_TOKEN"]
+    assert token.startswith("${MEMORIES_ADMIN_TOKEN:?") and "deploy/.env" in token
+
+
 def test_grafana_provisioning_matches_the_dashboard_and_compose() -> None:
     datasource = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yaml")["datasources"][0]
     dashboard = json.loads((DEPLOY / "grafana/dashboards/memories.json").read_text())
