@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 from services.cli import _parse_partitions, build_parser, main
 from services.writer.partitions import PinnedPull
 from shared import bus, bus_permissions, metrics
+from shared.db.session import create_engine
 from shared.servers import nats_server_binary, start_nats_cluster
 from shared.settings import Settings, get_settings
 
@@ -769,3 +771,24 @@ def test_every_setting_is_in_the_readmes_configuration_table() -> None:
     assert {name.upper() for name in Settings.model_fields} <= documented, sorted(
         {name.upper() for name in Settings.model_fields} - documented
     )
+
+
+def test_compose_postgres_admits_every_pool_of_the_shipped_compose() -> None:
+    # The pools as docs/operations.md counts them: PostgreSQL's default of 100 refused the shipped compose's ~130.
+    defaults = inspect.signature(create_engine).parameters
+    api = defaults["pool_size"].default + defaults["max_overflow"].default + 1  # and the readiness probe's
+    services = compose()["services"]
+    needed = 0
+    for service in services.values():
+        command = service.get("command") or []
+        replicas = service.get("deploy", {}).get("replicas", 1)
+        if command[:1] == ["api"]:
+            needed += replicas * api
+        elif command[:1] == ["writer"]:
+            first, last = map(int, command[command.index("--partitions") + 1].split("-"))
+            needed += replicas * (min(last - first + 1, 32) + 2 + defaults["max_overflow"].default)
+        elif command[:1] == ["extractor"]:
+            needed += 4 * (4 + defaults["max_overflow"].default)  # scaled to 4, as the docs show
+    postgres = services["postgres"]["command"]
+    limit = int(next(arg for arg in postgres if arg.startswith("max_connections=")).split("=")[1])
+    assert needed > 100 and limit > needed + 10, (needed, limit)
