@@ -135,6 +135,11 @@ CONSUMER_REDELIVERIES = _gauge(
 STREAM_MESSAGES = _gauge(
     "memories_stream_messages", "Messages stored in the stream (DEAD_LETTERS: its backlog; MEMORY_WRITES: writes queued)", "stream"
 )
+STREAM_BYTES = _gauge(
+    "memories_stream_bytes",
+    "Bytes the stream stores, on each NATS node that holds a replica of it (what fills the JetStream volumes)",
+    "stream",
+)
 WRITES_SET_ASIDE = _gauge(
     "memories_writes_set_aside",
     "Writes a writer holds aside, in the lane of a memory whose write waits on a model or on another transaction",
@@ -364,7 +369,7 @@ def _forget(gauges: Iterable[Gauge], *labels: str) -> None:
 async def poll_consumer_lag(
     js: JetStreamContext,
     consumers: Iterable[ConsumerRef],
-    streams: Iterable[str] = (bus.DEAD_LETTER_STREAM, bus.WRITES_STREAM),
+    streams: Iterable[str] = bus.STREAMS,
 ) -> None:
     """One pass: set the lag gauges of `consumers` and the message gauges of `streams`.
 
@@ -384,15 +389,16 @@ async def poll_consumer_lag(
         try:
             stream_info = await js.stream_info(stream)
         except NotFoundError:
-            _forget((STREAM_MESSAGES,), stream)
+            _forget((STREAM_MESSAGES, STREAM_BYTES), stream)
             continue
         STREAM_MESSAGES.labels(stream).set(stream_info.state.messages)
+        STREAM_BYTES.labels(stream).set(stream_info.state.bytes)
 
 
 async def run_lag_poller(
     js: JetStreamContext,
     consumers: Sequence[ConsumerRef],
-    streams: Sequence[str] = (bus.DEAD_LETTER_STREAM, bus.WRITES_STREAM),
+    streams: Sequence[str] = bus.STREAMS,
     interval_s: float = LAG_POLL_INTERVAL_S,
 ) -> None:
     """Poll until cancelled; run it as a task next to the consumers. Failures are counted, not raised."""

@@ -342,7 +342,7 @@ def test_alert_rules_parse_and_watch_only_series_the_services_expose() -> None:
     # The ones docs/operations.md names as worth alerting on are there.
     watched = set().union(*(selected_series(rule["expr"]) for rule in rules))
     assert {"memories_consumer_pending", "memories_consumer_redeliveries", "memories_dead_letters_total",
-            "memories_stream_messages", "memories_embedding_errors_total"} <= watched
+            "memories_stream_messages", "memories_embedding_errors_total", "memories_stream_bytes"} <= watched
 
 
 def test_compose_prometheus_loads_the_alert_rules() -> None:

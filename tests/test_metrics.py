@@ -52,6 +52,7 @@ EXPOSED_METRICS = [
     "memories_consumer_ack_pending",
     "memories_consumer_redeliveries",
     "memories_stream_messages",
+    "memories_stream_bytes",
     "memories_lag_poll_errors_total",
     "memories_writes_set_aside",
     "memories_http_responses_total",
@@ -200,6 +201,11 @@ async def test_track_llm_counts_provider_errors_but_not_cancellation() -> None:
     assert count("memories_llm_seconds_count", model=model, purpose="arbitration") == 2
 
 
+def test_the_poller_watches_every_stream_of_the_layout(settings: Settings) -> None:
+    # A stream the layout gains must show its storage too: the alert on the JetStream volumes sums them all.
+    assert sorted(stream.name or "" for stream in bus.layout(settings).streams) == sorted(bus.STREAMS)
+
+
 async def test_lag_poller_sets_a_gauge_per_consumer_of_the_layout(nc: NatsClient, settings: Settings) -> None:
     js = nc.jetstream()
     await bus.ensure_layout(js, settings, bus.Role.ADMIN)
@@ -226,6 +232,10 @@ async def test_lag_poller_sets_a_gauge_per_consumer_of_the_layout(nc: NatsClient
     # Writes queued, whether a writer consumer sees them or not (one left on a partition since dropped).
     queued = await js.stream_info(bus.WRITES_STREAM)
     assert sample("memories_stream_messages", stream=bus.WRITES_STREAM) == queued.state.messages
+    # What fills the JetStream volumes, every stream's: the change feed and the turns are kept for 7 days.
+    for stream in bus.STREAMS:
+        stored = (await js.stream_info(stream)).state.bytes
+        assert sample("memories_stream_bytes", stream=stream) == stored, stream
 
 
 async def test_lag_poller_reads_backlog_and_redeliveries_and_forgets_deleted_consumers(
@@ -256,6 +266,7 @@ async def test_lag_poller_reads_backlog_and_redeliveries_and_forgets_deleted_con
         assert sample("memories_consumer_ack_pending", stream=stream, consumer=consumer) == 1
         assert sample("memories_consumer_redeliveries", stream=stream, consumer=consumer) == 1
         assert sample("memories_stream_messages", stream=stream) == 3
+        assert sample("memories_stream_bytes", stream=stream) == (await js.stream_info(stream)).state.bytes > 0
 
         await subscription.unsubscribe()
         await js.delete_consumer(stream, consumer)
@@ -266,6 +277,7 @@ async def test_lag_poller_reads_backlog_and_redeliveries_and_forgets_deleted_con
         await js.delete_stream(stream)
     await metrics.poll_consumer_lag(js, [], streams=[stream])
     assert sample("memories_stream_messages", stream=stream) is None
+    assert sample("memories_stream_bytes", stream=stream) is None
 
 
 async def test_lag_poller_survives_a_lost_connection_and_counts_it(settings: Settings) -> None:
