@@ -826,6 +826,32 @@ async def test_a_tool_call_merges_with_the_projects_registered_provider_or_defau
     assert unknown["action"] == "created", unknown
 
 
+async def test_a_provider_model_name_of_the_longest_length_accepted_merges_and_is_metered(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # A name may be 255 characters; with its provider's prefix it is longer, and that is what is stored. The history
+    # and usage columns held 255: the merge's insert failed (DataError), three times, then the fact was set aside.
+    project_id = memory["project_id"]
+    name = "m" * 255
+    llm.script(name, MERGED)
+    provider = (await client.post("/ai-providers", json={
+        "project_id": project_id, "name": "long", "provider": "scripted", "default_model": name})).json()
+    agent = {"id": "agent_long", "ai_provider_id": provider["id"], "knowledge_config": {"write_memory_id": memory["id"]}}
+
+    async def write(content: str) -> dict[str, Any]:
+        body = {"content": content, "agent": agent, "project_id": project_id}
+        return dict((await client.post("/tools/write_memory", json=body)).json())
+
+    first = await write(EMAIL)
+    assert first["action"] == "created", first
+    merged = await write(EMAIL_DETAIL)
+    assert merged == {"action": "updated", "entry_id": first["entry_id"]}
+    history = (await client.get(f"/memory-entries/{first['entry_id']}/history")).json()["data"]
+    assert history[-1]["model"] == f"scripted/{name}"
+    usage = (await client.get("/usage", params={"project_id": project_id})).json()["data"]
+    assert [(u["model"], u["purpose"]) for u in usage] == [(f"scripted/{name}", "merge")]
+
+
 async def test_registry_changes_of_a_project_hold_what_they_checked_until_they_commit(
     client: httpx.AsyncClient, project: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:

@@ -129,7 +129,7 @@ class EntryHistory(Base):
     rule: Mapped[str | None] = mapped_column(String(64))
     score: Mapped[float | None] = mapped_column(Float)
     candidate_ids: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
-    model: Mapped[str | None] = mapped_column(String(255))
+    model: Mapped[str | None] = mapped_column(Text)
     prompt_version: Mapped[str | None] = mapped_column(String(32))
     content_before: Mapped[str | None] = mapped_column(Text)
     content_after: Mapped[str | None] = mapped_column(Text)
@@ -216,7 +216,7 @@ class GenerationExtraction(Base):
     updated: Mapped[int] = mapped_column(Integer, server_default="0")
     skipped: Mapped[int] = mapped_column(Integer, server_default="0")
     failed: Mapped[int] = mapped_column(Integer, server_default="0")
-    model: Mapped[str | None] = mapped_column(String(255))
+    model: Mapped[str | None] = mapped_column(Text)
     # The model's answer, stored before its facts are written: a redelivery writes these again (same write ids,
     # so nothing twice) instead of asking the model, which may word the facts differently.
     facts: Mapped[list[str] | None] = mapped_column(JSONB)
@@ -232,7 +232,7 @@ class LlmUsage(Base):
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     project_id: Mapped[str] = mapped_column(String(32))
     ai_provider_id: Mapped[str | None] = mapped_column(String(32))
-    model: Mapped[str] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(Text)
     purpose: Mapped[str] = mapped_column(String(32))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
