@@ -229,8 +229,11 @@ def refuse_address(model: str) -> str:
 ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_address)]
 """A litellm model name as an agent or a provider's registration names it (no provider's name is longer)."""
 def _once_each(tags: list[str]) -> list[str]:
-    # A tag twice is the same label twice: kept once, in the order given.
-    return list(dict.fromkeys(tags))
+    # A tag twice is the same label twice, in any case (globs match tags case-blind): kept once, as first given.
+    first: dict[str, str] = {}
+    for tag in tags:
+        first.setdefault(tag.lower(), tag)
+    return list(first.values())
 
 
 Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT), AfterValidator(_once_each)]

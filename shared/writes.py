@@ -31,6 +31,8 @@ from shared.db.models import MemoryEntry, WriteOutcome
 from shared.decision import ARBITRATION_SHORTLIST, Candidate, Decision, IncomingWrite, Rule, decide
 from shared.embeddings import EmbeddingError, cosine
 from shared.events import (
+    METADATA_MAX_BYTES,
+    TAGS_MAX_COUNT,
     AgentContext,
     EntryChangeKind,
     EntryState,
@@ -39,6 +41,7 @@ from shared.events import (
     WriteAction,
     WriteError,
     WritePolicy,
+    json_text,
 )
 from shared.guard import content_hash
 from shared.llm import ARBITRATION_PROMPT_VERSION, MERGE_PROMPT_VERSION, ModelSteps
@@ -615,10 +618,18 @@ def _labels_taken_over(
     entry: MemoryEntry, event: MemoryWriteRequested
 ) -> tuple[list[str] | None, dict[str, Any] | None]:
     """The tags and metadata of an entry that a write merges into or replaces: the entry's tags, then the
-    write's new ones; the entry's metadata, the write's values winning."""
+    write's new ones; the entry's metadata, the write's values winning. Within a write's own limits, or the entry
+    could not be sent back as it is served (an edit is held to them): the write's new tags while they fit under
+    TAGS_MAX_COUNT, and past METADATA_MAX_BYTES the write's metadata with the entry's other keys while they fit."""
     tags = list(entry.tags or [])
-    tags += [tag for tag in event.tags or [] if tag not in tags]
+    seen = {tag.lower() for tag in tags}
+    tags += [tag for tag in event.tags or [] if tag.lower() not in seen][: max(0, TAGS_MAX_COUNT - len(tags))]
     metadata = {**(entry.metadata_ or {}), **(event.metadata or {})}
+    if len(json_text(metadata).encode()) > METADATA_MAX_BYTES:
+        metadata = dict(event.metadata or {})
+        for key, value in (entry.metadata_ or {}).items():
+            if key not in metadata and len(json_text({**metadata, key: value}).encode()) <= METADATA_MAX_BYTES:
+                metadata[key] = value
     return tags or None, metadata or None
 
 

@@ -334,6 +334,27 @@ async def test_merge_unions_tags_and_merges_metadata(
     assert entry["source_type"] == "manual" and entry["source_generation_id"] is None
 
 
+async def test_a_merge_keeps_the_united_labels_within_a_writes_limits(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # United without a bound, a merged entry could hold 128 tags and 32 KiB of metadata, which a client could then
+    # not send back as it was served (an edit is held to 64 tags and 16 KiB).
+    model = llm.script("merge-full", MERGED)
+    own_tags = [f"t{i}" for i in range(60)]
+    first = (await client.post("/memory-entries", json={
+        "memory_id": memory["id"], "content": EMAIL, "tags": own_tags, "metadata": {"a": "x" * 9000}})).json()
+    new_tags = ["T0", *(f"n{i}" for i in range(10))]  # "T0" is "t0" again: globs match tags case-blind
+    outcome = await _extracted_fact(client, settings, memory, EMAIL_DETAIL, model, "gen_full", tags=new_tags,
+                                    metadata={"b": "y" * 9000, "c": 1})
+    assert outcome["action"] == "updated" and outcome["entry_id"] == first["id"]
+    entry = await get_entry(client, first["id"])
+    assert entry["tags"] == [*own_tags, "n0", "n1", "n2", "n3"]
+    assert entry["metadata"] == {"b": "y" * 9000, "c": 1}  # the write's; the entry's own key did not fit beside it
+    sent_back = await client.put(f"/memory-entries/{first['id']}", json={
+        "content": entry["content"], "tags": entry["tags"], "metadata": entry["metadata"]})
+    assert sent_back.status_code == 200, sent_back.text
+
+
 def arbitration_reply(operation: str, target: int | None = 1, content: str | None = None) -> str:
     return json.dumps({"operation": operation, "target": target, "content": content})
 

@@ -115,8 +115,9 @@ async def test_tags_metadata_and_source_type_are_stored(client: httpx.AsyncClien
             client,
             memory["id"],
             "Reject refunds above $500 for the traffic-manager role",
-            # A tag given twice is kept once (it was stored twice), in the order given.
-            tags=["role:traffic-manager", "source:rejected_approval", "role:traffic-manager"],
+            # A tag given twice is kept once (it was stored twice), in the order given, in any case: globs match
+            # tags case-blind, so "Role:Traffic-Manager" is the same label.
+            tags=["role:traffic-manager", "source:rejected_approval", "role:traffic-manager", "Role:Traffic-Manager"],
             metadata={"evidence": "high"},
             source_type="orchestration",
         )

@@ -135,6 +135,17 @@ async def test_an_update_that_changes_nothing_keeps_updated_at(
     assert (await client.put(url, json={"name": "renamed"})).json()["updated_at"] > memory["updated_at"]
 
 
+async def test_no_tags_are_one_value_for_a_memory_however_sent(client: httpx.AsyncClient, project: dict[str, Any]) -> None:
+    # As for an entry: [] was stored and served as [], and sent to a memory without tags it moved updated_at.
+    created = (await client.post("/memories", json={"project_id": project["id"], "name": "bare", "tags": []})).json()
+    assert created["tags"] is None
+    same = (await client.put(f"/memories/{created['id']}", json={"tags": []})).json()
+    assert same["tags"] is None and same["updated_at"] == created["updated_at"]
+    tagged = (await client.put(f"/memories/{created['id']}", json={"tags": ["a"]})).json()
+    cleared = (await client.put(f"/memories/{created['id']}", json={"tags": []})).json()
+    assert tagged["tags"] == ["a"] and cleared["tags"] is None and cleared["updated_at"] > tagged["updated_at"]
+
+
 async def test_an_update_does_not_wait_for_a_decision_on_the_memory(
     client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
 ) -> None:

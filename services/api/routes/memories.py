@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -71,7 +71,7 @@ async def create_memory(body: MemoryCreate, session: SessionDep, principal: Prin
         project_id=project_id,
         name=body.name,
         description=body.description,
-        tags=body.tags,
+        tags=body.tags or None,  # no tags are stored as none, however sent, as an entry's are
         write_policy=body.write_policy.value,
     )
     await session.commit()
@@ -118,7 +118,9 @@ async def update_memory(
             raise invalid(f"{required} cannot be null", required)
     if "write_policy" in changes:
         changes["write_policy"] = changes["write_policy"].value
-    changes = {field: value for field, value in changes.items() if value != getattr(memory, field)}
+    if "tags" in changes:
+        changes["tags"] = changes["tags"] or None
+    changes = {field: value for field, value in changes.items() if value != _stored(memory, field)}
     if not changes:  # nothing asked for, or nothing new: updated_at keeps saying when something last changed
         return MemoryOut.of(memory)
     memory = await repo.update_memory(session, memory, changes)
@@ -141,3 +143,8 @@ async def delete_memory(
     # Other API processes still remember it; their writes to it are refused by the writer instead.
     request.app.state.memory_owners.forget(memory.id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _stored(memory: Memory, field: str) -> Any:
+    value = getattr(memory, field)
+    return (value or None) if field == "tags" else value  # a memory of an earlier version may hold []
