@@ -152,6 +152,25 @@ async def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_buff
         assert answered.count(b"HTTP/1.1 200 OK") == 2, answered[:300]
 
 
+async def test_head_is_answered_wherever_get_is_with_its_headers_and_no_body(settings: Settings) -> None:
+    # RFC 9110 requires HEAD of every server wherever GET is served; FastAPI's routes answered it 405.
+    async with open_api(settings) as (app, client):
+        project = (await client.post("/projects", json={"name": "head"})).json()
+        async with served(app, BoundedHeadHttpTools, settings) as port:
+            def ask(method: str, path: str) -> bytes:
+                request = f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
+                return raw_exchange(port, request.encode(), quiet_s=0.5)
+
+            for path in ("/healthz", f"/api/v1/memories?project_id={project['id']}"):
+                got, head = await asyncio.to_thread(ask, "GET", path), await asyncio.to_thread(ask, "HEAD", path)
+                got_head, _, body = got.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head  # nothing after
+                assert f"content-length: {len(body)}".encode() in head.lower() and body, got_head
+            # A path that takes no GET takes no HEAD, and says what it takes.
+            refused = await asyncio.to_thread(ask, "HEAD", "/api/v1/knowledge/search")
+            assert refused.startswith(b"HTTP/1.1 405 ") and b"\r\nallow: POST\r\n" in refused, refused
+
+
 def test_the_api_keeps_an_idle_connection_longer_than_the_clients_in_front_of_it() -> None:
     # uvicorn's default, 5 s, is httpx's pool expiry: a request sent on a connection as the API closed it failed.
     assert Settings().memories_keep_alive_s > max(httpx.Limits().keepalive_expiry or 0, 60)

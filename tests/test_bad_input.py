@@ -124,10 +124,10 @@ async def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_takes(
     response = await client.patch(f"/memories/{memory['id']}", json={"name": "renamed"})
     assert_envelope(response, 405)
     assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
-    assert set(response.headers["allow"].replace(" ", "").split(",")) == {"GET", "PUT", "DELETE"}
+    assert set(response.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD", "PUT", "DELETE"}
     # An id that holds a "/" (the route's `:path`), and a route outside /api/v1: each names its own.
     assert (await client.get("/generations/run/42/provenance")).headers["allow"] == "DELETE"
-    assert (await client.post(client.base_url.join("/metrics"))).headers["allow"] == "GET"
+    assert (await client.post(client.base_url.join("/metrics"))).headers["allow"] == "GET, HEAD"
 
 
 @pytest.mark.parametrize("memory_id", ["", "mem_", "mem_../../etc", "mem_%00", "mem_" + "A" * 500, "MEM_AAAAAAAAAAAAAAAA"])

@@ -218,6 +218,8 @@ def _methods_of(request: Request, told: str | None) -> str:
             match, _ = candidate.matches(request.scope)
             if match is not Match.NONE:
                 methods.update(getattr(candidate, "methods", None) or ())
+    if "GET" in methods:
+        methods.add("HEAD")  # services.api.observed.HeadAsGet
     return ", ".join(sorted(methods)) if methods else told or ""
 
 

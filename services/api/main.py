@@ -14,7 +14,7 @@ from fastapi.routing import APIRoute
 from services.api import errors
 from services.api.keys import LiveKeys
 from services.api.limits import BodySizeLimit
-from services.api.observed import ResponseCounter
+from services.api.observed import HeadAsGet, ResponseCounter
 from services.api.owners import MemoryOwners
 from services.api.routes import (
     agents,
@@ -124,7 +124,8 @@ def create_app(settings: Settings) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
-    app.add_middleware(ResponseCounter)  # outermost of ours: counts the body limit's 413s too
+    app.add_middleware(ResponseCounter)  # counts the body limit's 413s too
+    app.add_middleware(HeadAsGet)  # outermost: every layer within sees a GET
     api = APIRouter(prefix=API_PREFIX)
     for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, provenance, providers):
         api.include_router(module.router)

@@ -1,4 +1,4 @@
-"""Every API response counted by route template and status (`memories_http_responses_total`)."""
+"""Every API response counted by route template and status (`memories_http_responses_total`); HEAD answered as GET."""
 
 from __future__ import annotations
 
@@ -55,3 +55,18 @@ class ResponseCounter:
 def _connection_closed(error: RuntimeError) -> bool:
     # uvloop's words: "unable to perform operation on <TCPTransport closed=True …>; the handler is closed".
     return "closed" in str(error)
+
+
+class HeadAsGet:
+    """HEAD on any path that takes GET, as HTTP requires of every server (RFC 9110, 9.1): the request is routed as
+    a GET in a scope of its own, and the server, which still sees the HEAD in its own scope, sends the GET's status
+    and headers without its body. FastAPI's routes take only the methods they name, so HEAD was a 405 (health
+    checkers and link checkers send it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
