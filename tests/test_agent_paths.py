@@ -708,9 +708,10 @@ async def test_a_forgotten_generation_stays_forgotten_even_for_a_later_write(
 class DeliveredDeletion:
     """A deletion event as the writer's subscriber hands it over, delivered `delivered` times so far."""
 
-    def __init__(self, event: GenerationDeleted, delivered: int) -> None:
+    def __init__(self, event: GenerationDeleted, delivered: int, subject: str | None = None) -> None:
         metadata = SimpleNamespace(num_delivered=delivered, timestamp=None)
-        self.raw_message = SimpleNamespace(subject=bus.generation_deleted_subject(event.project_id), metadata=metadata)
+        subject = subject or bus.generation_deleted_subject(event.project_id)
+        self.raw_message = SimpleNamespace(subject=subject, metadata=metadata)
         self.body = event.model_dump_json().encode()
         self.settled: list[str] = []
 
@@ -737,7 +738,7 @@ async def test_a_deletion_that_keeps_failing_is_dead_lettered_after_its_deliveri
         letters.append(reason)
 
     handler = ProvenanceHandler(sessions, dead_letter, settings)
-    event = GenerationDeleted(event_id="evt_poison", project_id="prj_x", generation_id="gen_poison")
+    event = GenerationDeleted(event_id="evt_poison", project_id="proj_0000000000000000", generation_id="gen_poison")
     first, last = DeliveredDeletion(event, 1), DeliveredDeletion(event, settings.memories_max_deliver)
     await handler.handle(first)
     await handler.handle(last)
@@ -747,6 +748,32 @@ async def test_a_deletion_that_keeps_failing_is_dead_lettered_after_its_deliveri
     outage = DeliveredDeletion(event, settings.memories_max_deliver * 10)
     await handler.handle(outage)
     assert outage.settled == ["nack"] and len(letters) == 1
+
+
+async def test_a_deletion_naming_another_project_than_its_subject_is_dead_lettered_and_clears_nothing(
+    client: httpx.AsyncClient, memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # A platform's bus user may publish on its own project's subjects only; naming another project in the body
+    # cleared that project's references (and recorded the generation as forgotten there, for good).
+    victim = (await client.post("/memory-entries", json={
+        "memory_id": memory["id"], "content": "The victim's fact", "source_type": "agent"})).json()
+    async with sessions.begin() as session:
+        await session.execute(text("UPDATE memory_entries SET source_generation_id = 'gen_victim' WHERE id = :id"),
+                              {"id": victim["id"]})
+    letters: list[str] = []
+
+    async def dead_letter(_subject: str, _body: bytes, *, reason: str) -> None:
+        letters.append(reason)
+
+    handler = ProvenanceHandler(sessions, dead_letter, settings)
+    event = GenerationDeleted(event_id="evt_cross", project_id=memory["project_id"], generation_id="gen_victim")
+    crossing = DeliveredDeletion(event, 1, subject=bus.generation_deleted_subject("proj_AttackerAttacker"))
+    await handler.handle(crossing)
+    assert crossing.settled == ["ack"] and len(letters) == 1 and "subject" in letters[0]
+    assert (await get_entry(client, victim["id"]))["source_generation_id"] == "gen_victim"
+    # On its own project's subject it is applied.
+    await handler.handle(DeliveredDeletion(event, 1))
+    assert (await get_entry(client, victim["id"]))["source_generation_id"] is None
 
 
 async def test_forgetting_what_no_entry_can_hold_is_a_no_op_not_an_error(

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared import bus
 from shared import repository as repo
 from shared.events import ConversationDeleted, GenerationDeleted
+from shared.ids import PROJECT_PREFIX, is_valid_id
 from shared.settings import Settings
 
 log = logging.getLogger("memories.writer")
@@ -32,6 +33,14 @@ class ProvenanceHandler:
                 event = ConversationDeleted.model_validate_json(message.body)
         except ValidationError as exc:
             await self._dead_letter(subject, message.body, reason=f"invalid deletion event: {exc.errors()[:3]}")
+            await message.ack()
+            return
+        # The subject names the project: a platform allowed to publish on its own project's subjects only must not
+        # clear another project's references by naming it in the body.
+        named = bus.generation_deleted_subject if isinstance(event, GenerationDeleted) else bus.conversation_deleted_subject
+        if subject != named(event.project_id) or not is_valid_id(event.project_id, PROJECT_PREFIX):
+            reason = "invalid deletion event: its project_id is not a project id, or not the one its subject names"
+            await self._dead_letter(subject, message.body, reason=reason)
             await message.ack()
             return
         # Its time says whether it was applied already (a redelivery must not clear newer citations): the platform's,
