@@ -29,6 +29,8 @@ from shared.settings import Settings
 from shared.write_gateway import WriteGateway
 
 log = logging.getLogger("memories.extractor")
+UNSETTLED = "a completed turn could not be settled"
+"""Not settled, it comes back after the ack wait (FastStream logs nothing here: its logger is off)."""
 
 
 QUEUED_WRITES_PATIENCE_S = 600.0
@@ -68,7 +70,7 @@ class ExtractorService(ConsumerProcess):
             await self._handle(message)
         except Exception:
             # FastStream logs nothing here (its logger is off); not settled, the turn comes back after the ack wait.
-            log.exception("a completed turn could not be settled", extra={"subject": message.raw_message.subject})
+            log.exception(UNSETTLED, extra={"subject": message.raw_message.subject})
 
     async def _handle(self, message: NatsMessage) -> None:
         assert self.nc is not None
@@ -89,9 +91,12 @@ class ExtractorService(ConsumerProcess):
             await bus.dead_letter(js, "extractor", raw.subject, message.body, reason=reason)
             await message.ack()
             return
-        # Every line logged for this turn names it, the write gateway's included.
+        # Every line logged for this turn names it, the write gateway's included, and a failure to settle it.
         with log_context(generation_id=event.generation_id, project_id=event.project_id):
-            await self._handle_event(message, event)
+            try:
+                await self._handle_event(message, event)
+            except Exception:
+                log.exception(UNSETTLED, extra={"subject": raw.subject})
 
     async def _handle_event(self, message: NatsMessage, event: GenerationCompleted) -> None:
         assert self._extractor is not None
