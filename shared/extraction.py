@@ -8,6 +8,7 @@ so a redelivered event writes nothing twice, and store the summary.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import hashlib
@@ -39,7 +40,7 @@ from shared.events import (
     utcnow,
 )
 from shared.ids import MEMORY_PREFIX, WRITE_PREFIX, is_valid_id
-from shared.llm import Completion, LlmError, PromptTooLong, RateLimited, complete
+from shared.llm import LlmError, PromptTooLong, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
 from shared.write_gateway import WriteGateway
@@ -126,21 +127,38 @@ class UnreadableAnswer(LlmError):
 
 
 _DECODER = json.JSONDecoder()
-_FACTS_BEGIN = re.compile(r"\[\s*[\"{]")
-"""Where an array of facts (strings or objects) begins: `["`, `[{`."""
+_FACTS_BEGIN = re.compile(r"\[\s*[\"'{]")
+"""Where an array of facts (strings or objects) begins: `["`, `['`, `[{`."""
+_REASONING = re.compile(r"<(think|thinking|reasoning)>.*?</\1>", re.DOTALL | re.IGNORECASE)
+"""A reasoning model's draft, which some servers leave in the answer's text (DeepSeek-R1 or Qwen3 on Ollama or vLLM
+without a reasoning parser): the facts come after it, and the draft may quote the conversation's own brackets."""
 
 
 def _facts_array(text: str) -> list[Any]:
-    """The answer's array of facts. As the contract reads it, from the first `[` to the last `]`; when that is no
-    JSON, the first array in the text that holds a string or an object (prose with brackets of its own around
-    it: "…] I skipped greetings [as instructed]." lost the facts before it). None in prose alone ("I found no
-    facts [only greetings]"). UnreadableAnswer when an array of facts was begun and none was finished."""
+    """The answer's array of facts, its reasoning draft left out. As the contract reads it, from the first `[` to
+    the last `]`, as JSON or as a Python list (`['…']`, what small models often write); an object's `facts`; else
+    the first array in the text that holds a string or an object (prose with brackets of its own around it:
+    "…] I skipped greetings [as instructed]." lost the facts before it). None in prose alone ("I found no facts
+    [only greetings]"). UnreadableAnswer when an array of facts was begun and none was finished."""
+    text = _REASONING.sub("", text)
     first, last = text.find("["), text.rfind("]")
     if 0 <= first < last:
+        span = text[first : last + 1]
         with contextlib.suppress(ValueError):
-            whole = json.loads(text[first : last + 1])
+            whole = json.loads(span)
             if isinstance(whole, list):
                 return whole
+        if span.startswith("['"):
+            with contextlib.suppress(ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                written = ast.literal_eval(span)  # literals only: nothing is run
+                if isinstance(written, list):
+                    return written
+    opened, closed = text.find("{"), text.rfind("}")
+    if 0 <= opened < closed:
+        with contextlib.suppress(ValueError):
+            answer = json.loads(text[opened : closed + 1])
+            if isinstance(answer, dict) and isinstance(answer.get("facts"), list):
+                return list(answer["facts"])
     begun = False
     start = first
     while start >= 0:
@@ -158,12 +176,12 @@ def _facts_array(text: str) -> list[Any]:
 
 
 def parse_candidates(text: str) -> list[str]:
-    """The answer's array of facts (`_facts_array`): strings or `{content}` objects; empty and over-long ones
-    dropped; at most 20."""
+    """The answer's array of facts (`_facts_array`): strings or objects holding one (`content`, or `fact` or `text`
+    as models also name it); empty and over-long ones dropped; at most 20."""
     items = _facts_array(text)
     facts = []
     for item in items:
-        content = item.get("content") if isinstance(item, dict) else item
+        content = next((item[key] for key in ("content", "fact", "text") if key in item), None) if isinstance(item, dict) else item
         if isinstance(content, str):
             content = storable(content).strip()
             # An over-long "fact" is a paragraph, not an atomic fact: dropped, not cut mid-sentence (a cut can
@@ -231,20 +249,25 @@ class Extractor:
                 await repo.get_memory(session, event.project_id, write_memory_id)
                 if is_valid_id(write_memory_id, MEMORY_PREFIX) else None
             )
+            saved_facts = done.facts if done is not None else None
             try:
                 targets = await self._targets(session, event, extraction)
             except ResolutionError as exc:
-                return await self._finish(event, ExtractionResult("skipped", str(exc), ExtractionSummary()))
+                if saved_facts is None:
+                    return await self._finish(event, ExtractionResult("skipped", str(exc), ExtractionSummary()))
+                # The model answered, and some of its facts may be written already: the rest are written too, without
+                # a model to merge with (its provider or route was removed since).
+                targets = []
         if memory is None:
             reason = "write_memory_id names no memory of this project"
             return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
 
-        if done is not None and done.facts is not None and targets:
+        if done is not None and saved_facts is not None:
             # Asked before, and its facts perhaps partly written: those facts again, never a second answer.
-            facts, model = list(done.facts), done.model
+            facts, model = list(saved_facts), done.model
         else:
             try:
-                asked, completion = await self._complete(event, targets, build_prompt(event, extraction))
+                asked, candidates = await self._complete(event, targets, build_prompt(event, extraction))
             except PromptTooLong as exc:  # asked again, it would fail again, every delivery, and cost each time
                 reason = f"{metrics.PROMPT_TOO_LONG}: {exc}"
                 return await self._finish(event, ExtractionResult("skipped", reason, ExtractionSummary()))
@@ -252,15 +275,15 @@ class Extractor:
                 # Another extraction of this turn may have saved its answer first: that one is written; or finished
                 # the turn meanwhile: nothing is.
                 saved = await registry.save_extracted_facts(
-                    session, event.project_id, event.generation_id, parse_candidates(completion.text), asked.model
+                    session, event.project_id, event.generation_id, candidates, asked.model
                 )
             if saved.status in registry.EXTRACTED:
                 return await self._replayed(event)
             facts, model = saved.facts, saved.model
         # The target of the model that answered (its merges use it too); the first when none is known.
-        target = next((t for t in targets if t.model == model), targets[0])
+        target = next((t for t in targets if t.model == model), targets[0] if targets else None)
         summary = await self._write(event, memory.id, facts, target, turn_time)
-        return await self._finish(event, ExtractionResult("completed", None, summary, target.model))
+        return await self._finish(event, ExtractionResult("completed", None, summary, target.model if target else model))
 
     async def _replayed(self, event: GenerationCompleted) -> ExtractionResult:
         async with self._sessions() as session:
@@ -284,8 +307,9 @@ class Extractor:
 
     async def _complete(
         self, event: GenerationCompleted, targets: list[Target], prompt: list[dict[str, str]]
-    ) -> tuple[Target, Completion]:
-        """Each target in turn (failover); a rate limit is retried on the same target after a pause (the
+    ) -> tuple[Target, list[str]]:
+        """The facts of the first target that answers readably, in turn (failover: an answer cut off or malformed
+        counts as a failure of its target); a rate limit is retried on the same target after a pause (the
         service keeps telling JetStream the message is in progress meanwhile). Raises the last failure, or
         PromptTooLong when the prompt fit no target (no delivery will change that)."""
         failures: list[LlmError] = []
@@ -304,12 +328,16 @@ class Extractor:
                     break
                 spent = registry.Spent(target.ai_provider_id, Purpose.EXTRACTION, completion)
                 await registry.record_usage(self._sessions, event.project_id, [spent])
-                return target, completion
+                try:
+                    return target, parse_candidates(completion.text)
+                except UnreadableAnswer as exc:
+                    failures.append(exc)
+                    break
         retryable = [failure for failure in failures if not isinstance(failure, PromptTooLong)]
         raise (retryable or failures or [LlmError("no target to try")])[-1]
 
     async def _write(
-        self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target, turn_time: datetime
+        self, event: GenerationCompleted, memory_id: str, facts: list[str], target: Target | None, turn_time: datetime
     ) -> ExtractionSummary:
         writes = [
             MemoryWriteRequested(
@@ -318,7 +346,7 @@ class Extractor:
                 memory_id=memory_id,
                 content=fact,
                 source_type=SourceType.EXTRACTION,
-                agent=target.context(event.agent.id),
+                agent=target.context(event.agent.id) if target else None,
                 source_generation_id=event.generation_id,
                 source_conversation_id=event.conversation_id,
                 sources_seen_at=turn_time,

@@ -166,12 +166,19 @@ async def save_extraction(
     }
     if result.status in EXTRACTED:
         values["facts"] = null()  # written, or never to be: kept only while a retry might need them (SQL NULL)
+    changes = dict(values)
+    if result.status == "failed":
+        # The saved facts and the model that answered stay for the retry, which writes those and merges with it.
+        del changes["model"]
     await session.execute(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, **values)
         .on_conflict_do_update(
             index_elements=[GenerationExtraction.project_id, GenerationExtraction.generation_id],
-            set_={**values, "updated_at": func.now()},
+            set_={**changes, "updated_at": func.now()},
+            # A turn extracted for good stays so: a late delivery that failed or was skipped (two deliveries of one
+            # turn at once) must not undo the outcome of the one that completed it.
+            where=None if result.status == "completed" else GenerationExtraction.status.not_in(EXTRACTED),
         )
     )
 

@@ -166,6 +166,13 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         ('["\\u200b", "\\ufeff \\u200b", "C"]', ["C"]),  # invisible characters only: blank, as a client's would be
         # A paragraph is no atomic fact: dropped, never cut to the limit mid-sentence.
         (json.dumps(["A", "x" * 8_001, "y" * 8_000]), ["A", "y" * 8_000]),
+        # A reasoning model's draft left in the text quoted the conversation's brackets: its words became the facts.
+        ('<think>The user said ["hello"], a greeting.</think>\n["The user lives in Porto"]', ["The user lives in Porto"]),
+        ('<THINKING>maybe ["x"]</THINKING>[]', []),
+        # What models write besides the contract's form was read as no facts, for good.
+        ("['The user lives in Porto', 'The user is vegan']", ["The user lives in Porto", "The user is vegan"]),
+        ('[{"fact": "A"}, {"text": "B"}]', ["A", "B"]),
+        ('{"skipped": ["hello"], "facts": ["A"]}', ["A"]),
     ],
 )
 def test_parse_candidates(text: str, facts: list[str]) -> None:
@@ -174,7 +181,7 @@ def test_parse_candidates(text: str, facts: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "text", ['["unterminated', 'The facts: ["A", "B"', '["The user prefers [] over null", "The user lives in',
-             '[{"content": "A"}, {"content": "B'],
+             '[{"content": "A"}, {"content": "B', "['The user lives in"],
 )
 def test_an_array_begun_and_not_finished_is_a_failure_not_no_facts(text: str) -> None:
     # An answer cut off (or malformed) was read as [] and stored as the turn's answer for good ("completed", no

@@ -22,6 +22,7 @@ from shared import bus, registry, write_records
 from shared.events import ExtractionSummary, GenerationAgent, GenerationCompleted, utcnow
 from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
 from shared.llm import LlmError
+from shared.logs import ContextFilter
 from shared.scripted_llm import CustomLLMError, ScriptedLLM  # after the cost-map setting
 from shared.settings import Settings
 from shared.write_gateway import WriteGateway
@@ -285,6 +286,71 @@ async def test_a_turn_retried_while_its_writes_wait_writes_the_first_answer_not_
     async with sessions() as session:  # written, so no longer kept
         assert (await registry.get_extraction(session, memory["project_id"], "gen_reworded")).facts is None
     assert [e["content"] for e in await entries(client, memory["id"])] == ["The customer's birthday is on 3 May"]
+
+
+async def test_a_turn_retried_after_its_provider_was_removed_writes_the_facts_the_model_gave(
+    client: httpx.AsyncClient, settings: Settings, memory: dict[str, Any], llm: ScriptedLLM,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # The retry resolved the agent's provider first, found it gone, and stored the turn as skipped: the saved facts
+    # not written yet were dropped for good, and the turn said it had nothing, though some were written.
+    llm.script("extract-then-gone", json.dumps(FACTS[:1]))
+    provider = (await client.post("/ai-providers", json={"project_id": memory["project_id"], "name": "soon gone",
+                                                          "provider": "scripted", "default_model": "extract-then-gone"}))
+    event = turn_event(memory, "unused", "gen_provider_gone").model_copy(update={"agent": GenerationAgent(
+        ai_provider_id=provider.json()["id"], knowledge_config={"write_memory_id": memory["id"], "extraction": True})})
+    async with direct_gateway(settings, sessions) as gateway:
+        with pytest.raises(WritesPending):
+            await Extractor(sessions, gateway, llm_timeout=5, write_timeout=0.001).extract(event)
+        assert (await client.delete(f"/ai-providers/{provider.json()['id']}")).status_code == 204
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
+    assert result.status == "completed" and result.summary.candidates == 1, result
+    assert result.model == "scripted/extract-then-gone"
+    assert [e["content"] for e in await entries(client, memory["id"])] == FACTS[:1]
+
+
+async def test_an_unreadable_answer_fails_over_to_the_routes_next_target(
+    client: httpx.AsyncClient, memory: dict[str, Any], llm: ScriptedLLM
+) -> None:
+    # The answer was read after the failover loop: a target that cut its answer off was asked again at every
+    # delivery, and the turn dead-lettered, its route's next target never asked.
+    llm.script("cut-off", '["The user lives in Por')
+    llm.script("whole", json.dumps(FACTS[:1]))
+    project_id = memory["project_id"]
+    provider = (await client.post("/ai-providers", json={"project_id": project_id, "name": "two",
+                                                          "provider": "scripted"})).json()
+    route = (await client.post("/model-routes", json={"project_id": project_id, "name": "cut", "targets": [
+        {"ai_provider_id": provider["id"], "model": "cut-off"}, {"ai_provider_id": provider["id"], "model": "whole"},
+    ]})).json()
+    body = turn_body(memory, "unused", "gen_cut_off")
+    body["agent"] = {"id": "agent_1", "model_route_id": route["id"],
+                     "knowledge_config": {"write_memory_id": memory["id"], "extraction": True}}
+    await client.post("/generations/completed", json=body)
+    outcome = await finished(client, memory, "gen_cut_off")
+    assert outcome["status"] == "completed" and outcome["model"] == "scripted/whole", outcome
+    assert outcome["summary"]["candidates"] == 1 and len(llm.calls_to("cut-off")) == 1
+
+
+async def test_a_failed_attempt_keeps_the_saved_facts_and_model_and_never_undoes_a_completed_turn(
+    memory: dict[str, Any], sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    project_id = memory["project_id"]
+    async with sessions.begin() as session:
+        await registry.save_extracted_facts(session, project_id, "gen_kept", ["Lunch is at noon"], "scripted/b")
+        await registry.save_extraction(session, project_id, "gen_kept", ExtractionResult("failed", "x", ExtractionSummary()))
+    async with sessions() as session:
+        kept = await registry.get_extraction(session, project_id, "gen_kept")
+    # The retry merges with the model that answered, not the route's first target.
+    assert (kept.status, kept.facts, kept.model) == ("failed", ["Lunch is at noon"], "scripted/b")
+    # Two deliveries of one turn at once: the late one's failure (or skip) leaves the other's completion standing.
+    done = ExtractionResult("completed", None, ExtractionSummary(candidates=1, created=1), "scripted/b")
+    async with sessions.begin() as session:
+        await registry.save_extraction(session, project_id, "gen_kept", done)
+        for late in ("failed", "skipped"):
+            await registry.save_extraction(session, project_id, "gen_kept", ExtractionResult(late, "late", ExtractionSummary()))
+    async with sessions() as session:
+        kept = await registry.get_extraction(session, project_id, "gen_kept")
+    assert (kept.status, kept.created, kept.model) == ("completed", 1, "scripted/b")
 
 
 async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_turn_is_retried(
@@ -787,6 +853,23 @@ async def test_a_turn_that_cannot_be_settled_is_logged_and_left_to_come_back(
     assert any(
         r.levelno == logging.ERROR and "could not be settled" in r.getMessage() and r.exc_info for r in caplog.records
     )
+
+
+async def test_a_readable_turn_that_cannot_be_settled_is_logged_with_its_ids(
+    extractors: list[Any], memory: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The line was written after the turn's log context had ended: the one failure of a turn that named no turn.
+    async def settling_fails(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("the database went away while settling")
+
+    monkeypatch.setattr(extractors[0], "_handle_event", settling_fails)
+    caplog.handler.addFilter(ContextFilter())  # as the service's handler stamps each line with the context
+    event = turn_event(memory, "unused", "gen_unsettled")
+    turn = SimpleNamespace(body=event.model_dump_json().encode(), raw_message=SimpleNamespace(
+        subject=bus.generation_completed_subject(memory["project_id"]), metadata=None))
+    await extractors[0].handle(turn)  # type: ignore[arg-type]
+    [line] = [r for r in caplog.records if "could not be settled" in r.getMessage()]
+    assert (getattr(line, "generation_id", None), getattr(line, "project_id", None)) == ("gen_unsettled", memory["project_id"])
 
 
 async def test_a_turn_waits_on_its_writes_until_each_is_applied_or_failed(
