@@ -29,9 +29,12 @@ from shared.client import (
     MemoriesError,
     Page,
     SourceType,
+    TimedOut,
+    Unauthorized,
     WritePolicy,
 )
 from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines, strict_json
+from shared.servers import local_api_url
 from shared.settings import get_settings
 
 Command = Callable[[MemoriesClient, argparse.Namespace], Any]
@@ -318,10 +321,11 @@ VERBS: dict[str, Command] = {
 
 def connection(args: argparse.Namespace) -> tuple[str, str | None]:
     """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else what a local `memories up` was started with:
-    the port (MEMORIES_PORT) and the admin token (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
+    the address it noted in its data directory (its `--port` included), else MEMORIES_PORT's, and the admin token
+    (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
     settings = get_settings()
     named_url: str | None = args.url or (settings.memories_url if "memories_url" in settings.model_fields_set else None)
-    url = named_url or f"http://127.0.0.1:{settings.memories_port}"  # where a local run listens
+    url = named_url or local_api_url(settings.data_dir) or f"http://127.0.0.1:{settings.memories_port}"
     token = args.token or settings.memories_token
     # The admin token of a local run (its variable, or the file it wrote) goes to this machine only, never to a
     # service named elsewhere.
@@ -334,21 +338,38 @@ def connection(args: argparse.Namespace) -> tuple[str, str | None]:
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-def report(error: MemoriesError) -> int:
+def without_token(url: str) -> str:
+    """What to do when no token was given or found: said before anything is sent (the service's 401 says only
+    that a header is missing)."""
+    if urlsplit(url).hostname not in _LOOPBACK_HOSTS:
+        return (f"no token for {url}: pass --token or set MEMORIES_TOKEN (a local run's admin token is sent to this "
+                "machine only)")
+    token_file = get_settings().data_dir / "admin_token"
+    return ("no token: pass --token or set MEMORIES_TOKEN. No local run's admin token was found either: "
+            f"MEMORIES_ADMIN_TOKEN is not set and {token_file} does not exist (set MEMORIES_DATA_DIR to the data "
+            "directory of your `memories up`)")
+
+
+def report(error: MemoriesError, url: str | None = None) -> int:
     """Exit 2 for a request that could not be sent as given (a bad argument), 1 for a failed call."""
     print(f"error: {error.code}: {error.message}", file=sys.stderr)
     if error.meta:
         print(json.dumps(error.meta, ensure_ascii=False), file=sys.stderr)
+    if isinstance(error, ConnectionFailed) and not isinstance(error, TimedOut) and url:
+        print(f"is the service running at {url}? (`memories up`, or name it with --url or MEMORIES_URL)", file=sys.stderr)
     return 2 if isinstance(error, InvalidRequest) else 1
 
 
 def run_verb(args: argparse.Namespace) -> int:
     url, token = connection(args)
+    if token is None:
+        print(f"memories {args.command}: {without_token(url)}", file=sys.stderr)
+        return 2
     try:
         with MemoriesClient(url, token) as client:
             VERBS[args.command](client, args)
     except MemoriesError as error:
-        return report(error)
+        return report(error, url)
     return 0
 
 
@@ -368,6 +389,9 @@ def run_import(args: argparse.Namespace) -> int:
     lines = parse_lines(text, summary, earlier_digest=file_digest(data))
     bar = ProgressBar()
     url, token = connection(args)
+    if token is None:
+        print(f"memories import: {without_token(url)}", file=sys.stderr)
+        return 2
 
     async def run() -> None:
         async with AsyncMemoriesClient(url, token) as client:
@@ -381,13 +405,14 @@ def run_import(args: argparse.Namespace) -> int:
             "interrupted: run the same import again to finish it (nothing is written twice)", file=sys.stderr
         )
         return 130
-    except ConnectionFailed as error:  # not one failure per line: every line left would fail alike
+    except (ConnectionFailed, Unauthorized) as error:  # not one failure per line: every line left would fail alike
         bar.update(summary, final=True)
-        report(error)
+        report(error, url)
         _report_import(summary, args)  # what was learnt before: lines that are wrong, writes to look up
+        cure = "the service can be reached" if isinstance(error, ConnectionFailed) else "the token is one it takes"
         print(
-            f"stopped after {summary.done} of {summary.total} lines: run the same import again once the service "
-            "can be reached (nothing is written twice)",
+            f"stopped after {summary.done} of {summary.total} lines: run the same import again once {cure} "
+            "(nothing is written twice)",
             file=sys.stderr,
         )
         return 1

@@ -66,6 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
     from shared.servers import (
+        LOCAL_RUN_API_FILE,
         LOCAL_RUN_NATS_FILE,
         EmbeddedNats,
         EmbeddedPostgres,
@@ -89,6 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
     noted_nats: Path | None = None
+    noted_api: Path | None = None
     try:
         try:
             if not settings.database_url:
@@ -115,6 +117,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
         env["MEMORIES_HOST"] = host
         env["MEMORIES_PORT"] = str(port)
+        # For the CLI's verbs in another shell (`up --port` changes the address MEMORIES_PORT would give them).
+        noted_api = settings.data_dir / LOCAL_RUN_API_FILE
+        noted_api.write_text(f"http://{_reachable(host)}:{port}")
         upgrade(env["DATABASE_URL"])
         for service in _SERVICES:
             # On the API's address (local unless --host says otherwise): /metrics and the probes need no token.
@@ -132,8 +137,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         _stop_services(children, api_grace_s=stop_grace_s(settings))
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
             noted_nats.unlink(missing_ok=True)
+        if noted_api is not None:
+            noted_api.unlink(missing_ok=True)
         for server in reversed(started):
             server.stop()
+
+
+def _reachable(host: str) -> str:
+    """The address a client on this machine reaches a server listening on `host` at."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def _ends_with(parent: int) -> Callable[[], None]:

@@ -39,6 +39,16 @@ LOCAL_RUN_NATS_FILE = "nats_url"
 NATS_URL_MISSING = "NATS_URL is not set, and no `memories up` is running on this data directory (MEMORIES_DATA_DIR)"
 
 
+LOCAL_RUN_API_FILE = "api_url"
+"""Where a running `memories up` notes its API's address (its --port, its --host), for the CLI's verbs."""
+
+
+def local_api_url(data_dir: Path) -> str | None:
+    """The API of a `memories up` running on this data directory, as it noted it."""
+    noted = data_dir / LOCAL_RUN_API_FILE
+    return (noted.read_text().strip() or None) if noted.is_file() else None
+
+
 def nats_url_for(configured: str | None, data_dir: Path) -> str | None:
     """NATS_URL, else the bus of a `memories up` running on this data directory: one-shot commands (`bus init`,
     `dlq`) find the local run's embedded server, whose port is chosen at each start."""

@@ -422,7 +422,19 @@ async def test_an_unreachable_service_stops_the_import_at_once(cli: Cli, tmp_pat
     assert code == 1 and err.count("CONNECTION_FAILED") == 1, err
     assert "stopped after 1 of 151 lines: run the same import again" in err
     # What was learnt before it stopped is reported all the same: the line to fix, and the summary.
-    assert "line 1: " in err and "line 2:" not in err and out.startswith("151 lines: 0 created"), (out, err)
+    assert "line 1: " in err and "line 2:" not in err, err
+    assert out.startswith("1 of 151 lines: 0 created") and "1 failed, 150 not sent" in out, out
+    assert f"is the service running at http://{LOOPBACK}:" in err
+
+
+async def test_a_refused_token_stops_the_import_at_once(cli: Cli, api_url: str, tmp_path: Path) -> None:
+    # Every line was sent and listed as failed, one UNAUTHORIZED each, as if each line were wrong.
+    source = tmp_path / "refused.jsonl"
+    source.write_text("".join(json.dumps({"memory_id": f"mem_{n}", "content": "x"}) + "\n" for n in range(50)))
+    code, out, err = await cli.raw("import", str(source), "--url", api_url, "--token", "not-the-token", "--json")
+    assert code == 1 and err.count("UNAUTHORIZED") == 1, err
+    assert "stopped after 0 of 50 lines: run the same import again once the token is one it takes" in err
+    assert json.loads(out)["not_sent"] == 50
 
 
 @pytest.mark.parametrize(
@@ -558,8 +570,9 @@ async def test_connection_settings(
     api_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cli = Cli(api_url, capsys)
-    code, _, err = await cli.raw("list-projects", "--url", f"http://{LOOPBACK}:{free_port()}", "--token", "x")
-    assert code == 1 and "CONNECTION_FAILED" in err
+    nowhere = f"http://{LOOPBACK}:{free_port()}"
+    code, _, err = await cli.raw("list-projects", "--url", nowhere, "--token", "x")
+    assert code == 1 and "CONNECTION_FAILED" in err and f"is the service running at {nowhere}?" in err
     code, _, err = await cli.raw("list-projects", "--url", api_url, "--token", "not-the-token")
     assert code == 1 and "UNAUTHORIZED" in err
     # Neither --url nor --token: MEMORIES_URL, and the admin token file a local `memories up` wrote.
@@ -585,10 +598,23 @@ async def test_connection_settings(
         get_settings.cache_clear()
         code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
         assert code == 0, err
-        # A service elsewhere is sent neither the local run's admin token nor its token file.
+        # `memories up --port` elsewhere than MEMORIES_PORT: the address it noted in its data directory.
+        monkeypatch.setenv("MEMORIES_PORT", str(free_port()))
+        (tmp_path / "api_url").write_text(api_url)
+        get_settings.cache_clear()
+        code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
+        assert code == 0, err
+        # No token given or found: said before anything is sent, with what to do (the service's 401 says neither).
+        monkeypatch.delenv("MEMORIES_ADMIN_TOKEN")
+        (tmp_path / "admin_token").unlink()
+        get_settings.cache_clear()
+        code, _, err = await cli.raw("list-projects")
+        assert code == 2 and "no token: pass --token or set MEMORIES_TOKEN" in err and "MEMORIES_DATA_DIR" in err
+        # A service elsewhere is sent neither the local run's admin token nor its token file, and that is said.
+        (tmp_path / "admin_token").write_text(ADMIN_TOKEN + "\n")
         monkeypatch.setattr(cli_resources, "_LOOPBACK_HOSTS", frozenset())  # as if api_url were another machine
         code, _, err = await cli.raw("list-projects", "--url", api_url)
-        assert code == 1 and "missing" in err.lower()
+        assert code == 2 and f"no token for {api_url}" in err and "this machine only" in err
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()

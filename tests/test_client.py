@@ -174,9 +174,11 @@ async def test_errors_are_typed_with_the_envelope(memories: AsyncMemoriesClient,
         await memories.send(stray)
     assert unknown.value.status == 400 and unknown.value.code == "VALIDATION_FAILED"
     assert unknown.value.meta["unknown_fields"] == ["colour"]
+    assert str(unknown.value).endswith("(unknown fields: colour)")  # a traceback says what to fix, not just "failed"
     with pytest.raises(ValidationFailed) as out_of_range:
         await memories.create_entry(target.id, EMAIL, duplicate_threshold=1.5)
     assert [f["field"] for f in out_of_range.value.meta["invalid_fields"]] == ["duplicate_threshold"]
+    assert "(duplicate_threshold: " in str(out_of_range.value)
     with pytest.raises(PayloadTooLarge) as too_long:
         await memories.create_entry(target.id, "x" * 8_001)
     assert too_long.value.status == 413 and too_long.value.code == "PAYLOAD_TOO_LARGE"

@@ -19,7 +19,7 @@ import httpx
 
 from services.api.limits import MAX_HEAD_BYTES
 from services.cli_up import _models_line
-from shared.servers import LOCAL_RUN_NATS_FILE, free_port
+from shared.servers import LOCAL_RUN_API_FILE, LOCAL_RUN_NATS_FILE, free_port
 from shared.settings import Settings
 from tests.conftest import raw_exchange
 
@@ -41,6 +41,7 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         _ready(base, up, root / "up.log")
+        assert (data / LOCAL_RUN_API_FILE).read_text() == base  # for the CLI's verbs, whatever `--port` said
         headers = {"Authorization": f"Bearer {(data / 'admin_token').read_text().strip()}"}
         with httpx.Client(base_url=f"{base}/api/v1", headers=headers, timeout=30) as client:
             project = client.post("/projects", json={"name": "local"}).json()["id"]
@@ -64,7 +65,7 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
             log.close()
     try:
         assert code == 0, (root / "up.log").read_text()[-3000:]
-        assert not (data / LOCAL_RUN_NATS_FILE).exists()
+        assert not (data / LOCAL_RUN_NATS_FILE).exists() and not (data / LOCAL_RUN_API_FILE).exists()
         stopped = _memories("dlq", "list", env=env)
         assert stopped.returncode == 2 and "no `memories up` is running" in stopped.stderr
     finally:

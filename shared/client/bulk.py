@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from shared.client._clients import AsyncMemoriesClient
-from shared.client.errors import ConnectionFailed, Forbidden, MemoriesError, NotFound, TimedOut
+from shared.client.errors import ConnectionFailed, Forbidden, MemoriesError, NotFound, TimedOut, Unauthorized
 from shared.ids import keyed_write_id
 
 LINE_FIELDS = frozenset({"memory_id", "content", "tags", "metadata", "idempotency_key"})
@@ -72,12 +72,19 @@ class ImportSummary:
         bisect.insort(self.failures, (number, reason))
         del self.failures[MAX_REPORTED_FAILURES:]
 
+    @property
+    def not_sent(self) -> int:
+        """Lines an import stopped before (the service lost, the token refused, an interruption)."""
+        return self.total - self.done
+
     def describe(self) -> str:
         others = "".join(f", {n} {name}" for name, n in self.counts.items() if name not in MAIN_OUTCOMES)
+        lines = f"{self.total} line{'' if self.total == 1 else 's'}"
         return (
-            f"{self.total} line{'' if self.total == 1 else 's'}: {self.counts['created']} created, "
-            f"{self.counts['skipped']} skipped "
+            (f"{self.done} of {lines}" if self.not_sent else lines)
+            + f": {self.counts['created']} created, {self.counts['skipped']} skipped "
             f"({self.already_imported} already imported){others}, {self.counts['failed']} failed"
+            + (f", {self.not_sent} not sent" if self.not_sent else "")
             + (f"; {self.blank} blank line{'' if self.blank == 1 else 's'} ignored" if self.blank else "")
         )
 
@@ -100,6 +107,7 @@ class ImportSummary:
             "already_imported": self.already_imported,
             "failures": failures,
             "failures_not_listed": self.unlisted_failures,
+            "not_sent": self.not_sent,
             "pending_writes": [{"line": number, "write_id": write_id} for number, write_id in sorted(self.pending)],
         }
 
@@ -206,8 +214,8 @@ async def import_lines(
     concurrency: int = 4,
     on_progress: Callable[[ImportSummary], None] = lambda _summary: None,
 ) -> ImportSummary:
-    """Raises ConnectionFailed, the lines not yet written left untried, when the service cannot be reached: no
-    line would get through, and each would fail for the same reason."""
+    """Raises ConnectionFailed, the lines not yet written left untried, when the service cannot be reached, and
+    Unauthorized when it refuses the token: no line would get through, and each would fail for the same reason."""
     by_memory: dict[str, list[ImportLine]] = {}
     for line in lines:
         by_memory.setdefault(line.memory_id, []).append(line)
@@ -237,15 +245,15 @@ async def import_lines(
         async with asyncio.TaskGroup() as writers:  # the first to lose the service stops the others
             for memory_id, batch in by_memory.items():
                 writers.create_task(write_memory_lines(memory_id, batch))
-    except* ConnectionFailed as lost:
+    except* (ConnectionFailed, Unauthorized) as lost:
         raise lost.exceptions[0] from None
     return summary
 
 
 def _unreachable(error: MemoriesError) -> bool:
-    """No connection to the service: not a line's failure. A timeout is one: the service is there, and the
-    line's write may have been applied."""
-    return isinstance(error, ConnectionFailed) and not isinstance(error, TimedOut)
+    """No connection to the service, or no entry with this token: not a line's failure, every line's. A timeout
+    is a line's: the service is there, and the line's write may have been applied."""
+    return isinstance(error, Unauthorized) or (isinstance(error, ConnectionFailed) and not isinstance(error, TimedOut))
 
 
 async def _write(
@@ -293,14 +301,7 @@ async def _write(
 
 def _reason(error: MemoriesError) -> str:
     """The envelope's code and message, and the fields it names: in a large file, what to fix on the line."""
-    named = [
-        f"{problem.get('field')}: {problem.get('message')}" if isinstance(problem, dict) else str(problem)
-        for problem in error.meta.get("invalid_fields") or []
-    ]
-    for kind in ("missing_fields", "unknown_fields"):
-        if fields := error.meta.get(kind):
-            named.append(f"{kind.replace('_', ' ')}: {', '.join(map(str, fields))}")
-    return f"{error.code}: {error.message}" + (f" ({'; '.join(named)})" if named else "")
+    return str(error)
 
 
 async def _already_written(client: AsyncMemoriesClient, project_id: str, idempotency_key: str) -> bool:

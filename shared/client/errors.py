@@ -15,7 +15,9 @@ class MemoriesError(Exception):
     def __init__(
         self, status: int | None, code: str, message: str, meta: dict[str, Any] | None = None, replayed: bool = False
     ) -> None:
-        super().__init__(f"{code}: {message}")
+        named = fields_named(meta or {})
+        # What to fix, in the text a traceback shows: the message alone ("request validation failed") does not say.
+        super().__init__(f"{code}: {message}" + (f" ({'; '.join(named)})" if named else ""))
         self.status = status
         self.code = code
         self.message = message
@@ -25,6 +27,19 @@ class MemoriesError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from its fields, so that it crosses a process pool or a task queue (pickle, copy).
         return type(self), (self.status, self.code, self.message, self.meta, self.replayed)
+
+
+def fields_named(meta: dict[str, Any]) -> list[str]:
+    """The fields an envelope's `meta` names as wrong: `field: why` for each invalid one, then the missing and
+    unknown ones."""
+    named = [
+        f"{problem.get('field')}: {problem.get('message')}" if isinstance(problem, dict) else str(problem)
+        for problem in meta.get("invalid_fields") or []
+    ]
+    for kind in ("missing_fields", "unknown_fields"):
+        if fields := meta.get(kind):
+            named.append(f"{kind.replace('_', ' ')}: {', '.join(map(str, fields))}")
+    return named
 
 
 class ValidationFailed(MemoriesError):
