@@ -67,27 +67,31 @@ PROJECT_COLUMNS: list[Column] = [("ID", lambda p: p["id"]), ("NAME", lambda p: p
 # Argument types: a bad value is a usage error (exit 2) --------------------------------------------
 
 
-def _json_value(text: str) -> Any:
+def _json_value(text: str, example: str) -> Any:
     try:
         return strict_json(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): write it as {example}, got {text!r}") from None
     except ValueError as exc:  # NaN, a number of 5,000 digits, nesting past Python's stack
         raise argparse.ArgumentTypeError(f"not usable JSON: {exc}") from None
 
 
+TAGS_EXAMPLE = """'["customer", "crm"]'"""
+METADATA_EXAMPLE = """'{"evidence": "high"}'"""
+
+
 def json_array(text: str) -> list[str] | None:
     """A JSON array of strings, as in the seed (`--tags '["customer", "crm"]'`); `null` clears on update."""
-    value = _json_value(text)
+    value = _json_value(text, TAGS_EXAMPLE)
     if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        raise argparse.ArgumentTypeError("expected a JSON array of strings")
+        raise argparse.ArgumentTypeError(f"expected a JSON array of strings, e.g. {TAGS_EXAMPLE}")
     return value
 
 
 def json_object(text: str) -> dict[str, Any] | None:
-    value = _json_value(text)
+    value = _json_value(text, METADATA_EXAMPLE)
     if value is not None and not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. {METADATA_EXAMPLE}")
     return value
 
 
@@ -227,8 +231,13 @@ def show(result: Any, args: argparse.Namespace, columns: Sequence[Column] | None
 
 
 def _changes(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """The options given on the command line; left-out ones are UNSET, so the update keeps those fields."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not UNSET}
+    """The options given on the command line; left-out ones are UNSET, so the update keeps those fields. None
+    given is a usage error: the verb would succeed and change nothing."""
+    changes = {name: getattr(args, name) for name in names if getattr(args, name) is not UNSET}
+    if not changes:
+        options = ", ".join(f"--{name.replace('_', '-')}" for name in names)
+        raise InvalidRequest(None, "INVALID_REQUEST", f"nothing to change: give at least one of {options}")
+    return changes
 
 
 def _deleted(identifier: str, args: argparse.Namespace) -> None:
@@ -357,6 +366,9 @@ def report(error: MemoriesError, url: str | None = None) -> int:
         print(json.dumps(error.meta, ensure_ascii=False), file=sys.stderr)
     if isinstance(error, ConnectionFailed) and not isinstance(error, TimedOut) and url:
         print(f"is the service running at {url}? (`memories up`, or name it with --url or MEMORIES_URL)", file=sys.stderr)
+    if "project_id" in error.meta.get("missing_fields", ()):
+        print("pass --project-id: the admin token acts in every project and names one on each call "
+              "(`memories list-projects`); a project's API key (--token) names its own", file=sys.stderr)
     return 2 if isinstance(error, InvalidRequest) else 1
 
 

@@ -25,9 +25,19 @@ _SERVICES = ("api", "writer", "extractor")  # the API first: it is stopped befor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    up = subparsers.add_parser("up", help="embedded PostgreSQL + NATS, migrations, api, writer and extractor")
-    up.add_argument("--host")
-    up.add_argument("--port", type=_port)
+    up = subparsers.add_parser(
+        "up",
+        help="embedded PostgreSQL + NATS, migrations, api, writer and extractor",
+        description="Run the whole system on this machine: PostgreSQL with pgvector and NATS JetStream (unless "
+        "DATABASE_URL / NATS_URL name servers to use), the migrations, then the API, the writer and the extractor, "
+        "until Ctrl-C. Its data (the servers', the admin token) stays in the data directory for the next run.",
+        epilog="Settings: MEMORIES_DATA_DIR (the data directory, .memories), MEMORIES_HOST and MEMORIES_PORT (the "
+        "API's address, 127.0.0.1:8000), MEMORIES_ADMIN_TOKEN (else one generated into the data directory), "
+        "DATABASE_URL, NATS_URL, MEMORIES_MERGE_MODEL; README.md lists them all.",
+    )
+    up.add_argument("--host", help="the API's address to listen on (default: MEMORIES_HOST, 127.0.0.1)")
+    up.add_argument("--port", type=_port, help="the API's port (default: MEMORIES_PORT, 8000)")
+    up.add_argument("--data-dir", type=Path, help="where the run keeps its data (default: MEMORIES_DATA_DIR, .memories)")
     up.set_defaults(func=cmd_up)
 
 
@@ -74,6 +84,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         ServerStartError,
     )
 
+    if args.data_dir is not None:  # as MEMORIES_DATA_DIR: the services and the one-shot commands read it there
+        os.environ["MEMORIES_DATA_DIR"] = str(args.data_dir)
+        get_settings.cache_clear()
     settings = get_settings()
     host, port = args.host or settings.memories_host, args.port or settings.memories_port
     metrics_ports = _metrics_ports(settings)
@@ -141,6 +154,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             noted_api.unlink(missing_ok=True)
         for server in reversed(started):
             server.stop()
+        if children:  # the last line: uvicorn's "Finished server process" was, and said nothing of the rest
+            log.info("Memories stopped: the services%s", " and the servers it started" if started else "")
 
 
 def _reachable(host: str) -> str:

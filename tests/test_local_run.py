@@ -65,6 +65,7 @@ def test_up_runs_the_system_and_one_shot_commands_find_its_bus() -> None:
             log.close()
     try:
         assert code == 0, (root / "up.log").read_text()[-3000:]
+        assert "Memories stopped: the services and the servers it started" in (root / "up.log").read_text()
         assert not (data / LOCAL_RUN_NATS_FILE).exists() and not (data / LOCAL_RUN_API_FILE).exists()
         stopped = _memories("dlq", "list", env=env)
         assert stopped.returncode == 2 and "no `memories up` is running" in stopped.stderr
@@ -100,6 +101,9 @@ def test_up_killed_outright_takes_its_services_with_it_and_starts_again() -> Non
             runs.append(up)
             _ready(base, up, log_path)
             if attempt == "again":
+                # The servers the killed run left were stopped, and that is said (it was silent).
+                said = log_path.read_text(errors="replace")
+                assert "stopping postgres pid" in said and "stopping nats-server pid" in said, said[-3000:]
                 break
             services = [p for p in psutil.Process(up.pid).children() if "services.cli" in " ".join(p.cmdline())]
             assert len(services) == 3
@@ -235,6 +239,9 @@ def test_up_refuses_what_it_cannot_run_on_in_one_line_before_anything_starts(tmp
     (tmp_path / "a-file").write_text("")
     refusals.append((_memories("up", env=env | {"MEMORIES_DATA_DIR": str(tmp_path / "a-file"),
                                                 "MEMORIES_PORT": str(free_port())}), 1, "cannot be used"))
+    # --data-dir is MEMORIES_DATA_DIR's flag (a newcomer's first try; only the variable existed).
+    refusals.append((_memories("up", "--data-dir", str(tmp_path / "a-file"), env=env | {"MEMORIES_PORT": str(free_port())}),
+                     1, f"the data directory {tmp_path / 'a-file'} cannot be used"))
     for done, status, said in refusals:
         assert (done.returncode, "Traceback" in done.stderr) == (status, False), done.stderr
         assert said in done.stderr, done.stderr

@@ -68,6 +68,10 @@ async def test_idempotency_key_returns_the_first_outcome(
     # Two keys: the first was used, silently. Which one the client meant cannot be told.
     twice = await client.post("/memory-entries", json=body, headers=[("Idempotency-Key", "k1"), ("Idempotency-Key", "k2")])
     assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
+    # Its entry deleted since, a retry is told so, and what to do to write the fact again.
+    assert (await client.delete(f"/memory-entries/{first.json()['id']}")).status_code == 204
+    gone = await client.post("/memory-entries", json=body, headers=headers)
+    assert gone.status_code == 409 and "send it with a new Idempotency-Key" in gone.json()["error"]["message"]
 
 
 def test_the_request_hash_is_of_what_the_client_chose() -> None:

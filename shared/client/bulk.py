@@ -315,13 +315,14 @@ async def _already_written(client: AsyncMemoriesClient, project_id: str, idempot
 
 
 class ProgressBar:
-    """A plain-text bar redrawn in place on stderr: ten times a second on a terminal, once a second into a
-    file or pipe (a log should not hold a line per entry)."""
+    """A plain-text bar redrawn in place on stderr ten times a second on a terminal; into a file or pipe, where a
+    carriage return redraws nothing (a CI log showed one line of every bar), a line every 10 seconds and the last."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream or sys.stderr
-        self._interval = 0.1 if self._stream.isatty() else 1.0
-        self._drawn_at = 0.0
+        self._terminal = self._stream.isatty()
+        self._interval = 0.1 if self._terminal else 10.0
+        self._drawn_at = time.monotonic() if not self._terminal else 0.0  # a short import into a file: one line
         self._drawn = ""
 
     def update(self, summary: ImportSummary, final: bool = False) -> None:
@@ -336,8 +337,8 @@ class ProgressBar:
         filled = width * summary.done // summary.total if summary.total else width
         bar = f"[{'#' * filled}{'.' * (width - filled)}] {numbers}"
         if bar != self._drawn:  # the same bar again (an empty file's 0/0) is not drawn twice
-            self._stream.write(f"\r{bar}")
+            self._stream.write(f"\r{bar}" if self._terminal else f"{bar}\n")
             self._drawn = bar
-        if final:
+        if final and self._terminal:
             self._stream.write("\n")
         self._stream.flush()

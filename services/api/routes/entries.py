@@ -179,7 +179,12 @@ async def _decided(session: AsyncSession, outcome: MemoryWriteOutcome) -> JSONRe
     if entry is None and outcome.entry_id:
         entry = (await repo.get_entry_states(session, [outcome.entry_id])).get(outcome.entry_id)
     if entry is None or outcome.action is None:
-        return envelope(409, "the entry this write produced has since been deleted", meta={"write_id": outcome.write_id})
+        return envelope(
+            409,
+            "the entry this write produced has since been deleted; to write the fact again, send it with a new "
+            "Idempotency-Key",
+            meta={"write_id": outcome.write_id},
+        )
     written = EntryWritten(**entry.model_dump(), action=outcome.action, write_id=outcome.write_id)
     code = status.HTTP_201_CREATED if outcome.action is WriteAction.CREATED else status.HTTP_200_OK
     return JSONResponse(written.model_dump(mode="json"), status_code=code)
