@@ -43,7 +43,7 @@ from shared.ids import MEMORY_PREFIX, WRITE_PREFIX, is_valid_id
 from shared.llm import LlmError, PromptTooLong, RateLimited, complete
 from shared.metrics import Purpose
 from shared.providers import ResolutionError, Target, resolve_targets
-from shared.write_gateway import WriteGateway
+from shared.write_gateway import PublishOrder, WriteGateway
 from shared.writes import REFUSED_FOR_NOW
 
 log = logging.getLogger("memories.extraction")
@@ -353,12 +353,14 @@ class Extractor:
             )
             for index, fact in enumerate(facts)
         ]
-        # One memory, so the writer decides them one at a time anyway; submitting together saves round trips.
+        # One memory, so the writer decides them one at a time anyway; submitting together saves round trips, and
+        # they are published in the model's order (a later fact may correct an earlier one).
         # A fact the writer failed for good (set aside for an operator) is counted failed, not submitted again:
         # resubmitted, it would be failed again and again while the turn waited for it.
-        outcomes = await asyncio.gather(
-            *(self._gateway.submit(w, timeout=self._write_timeout, retry_failed=REFUSED_FOR_NOW) for w in writes)
-        )
+        outcomes = await asyncio.gather(*(
+            self._gateway.submit(w, timeout=self._write_timeout, retry_failed=REFUSED_FOR_NOW, order=place)
+            for w, place in zip(writes, PublishOrder.chain(len(writes)), strict=True)
+        ))
         # Extracted again, the turn finds the decided writes by their ids, waits for the queued ones and submits
         # the refused ones again; counted as failed, a fact refused while the embedder was down would be lost.
         if refused := sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome)):

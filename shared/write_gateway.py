@@ -94,6 +94,7 @@ class WriteGateway:
         fresh_id: bool = False,
         client_key: bool = False,
         retry_failed: Collection[str] | None = None,
+        order: PublishOrder | None = None,
     ) -> MemoryWriteOutcome | None:
         """The write's outcome, or None when the writer has not decided within `timeout` (it stays queued).
 
@@ -101,11 +102,27 @@ class WriteGateway:
         `client_key`: the write id comes from a client's Idempotency-Key, which must name one request only.
         `retry_failed`: an earlier attempt that failed is tried again only if it failed with one of these codes
         (None: whatever the code); otherwise its failure is the outcome.
+        `order`: this write's place among writes submitted together, published in that order (`PublishOrder`).
         Raises bus.BusUnavailable when JetStream does not take the event; a retry with the same write id is safe.
         Raises IdempotencyKeyReused when the id was first used for a different request.
         """
+        try:
+            return await self._submit(event, timeout, fresh_id, client_key, retry_failed, order)
+        finally:
+            if order is not None:
+                order.done()  # published, or never to be by this call: the next may go
+
+    async def _submit(
+        self,
+        event: MemoryWriteRequested,
+        timeout: float,
+        fresh_id: bool,
+        client_key: bool,
+        retry_failed: Collection[str] | None,
+        order: PublishOrder | None,
+    ) -> MemoryWriteOutcome | None:
         if fresh_id:
-            outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout)
+            outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout, order=order)
             if outcome is None:
                 await self._record_pending(event)
             return outcome
@@ -125,7 +142,7 @@ class WriteGateway:
                 continue  # claimed again: published here if its owner gave it up (a 503), else awaited anew
         try:
             outcome = await self._publish_and_wait(
-                event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic())
+                event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic()), order=order
             )
         except bus.BusUnavailable:
             await self._release_claim(event.write_id, claimed_at=record.updated_at)
@@ -179,13 +196,15 @@ class WriteGateway:
             log.warning("could not release the claim of write %s", write_id, exc_info=True)
 
     async def _publish_and_wait(
-        self, event: MemoryWriteRequested, *, attempt: int, timeout: float
+        self, event: MemoryWriteRequested, *, attempt: int, timeout: float, order: PublishOrder | None = None
     ) -> MemoryWriteOutcome | None:
         event = event.model_copy(update={"reply_subject": f"{self._inbox}.{event.write_id}"})
         # Registered before publishing: the answer can arrive before the publish acknowledgement.
         future: asyncio.Future[MemoryWriteOutcome] = asyncio.get_running_loop().create_future()
         self._waiting[event.write_id] = future
         try:
+            if order is not None:
+                await order.turn()
             await bus.publish_or_refuse(
                 self._nc,
                 bus.write_subject(event.memory_id, self._partitions),
@@ -195,6 +214,8 @@ class WriteGateway:
                 # A failed attempt gets a new message id, so the duplicate window cannot swallow the retry.
                 msg_id=f"{event.write_id}.{attempt}",
             )
+            if order is not None:
+                order.done()
             try:
                 outcome = await asyncio.wait_for(future, timeout)
             except TimeoutError:
@@ -228,6 +249,31 @@ class WriteGateway:
 
 class _ClaimChanged(Exception):
     pass
+
+
+class PublishOrder:
+    """The place of one write among writes submitted together (a turn's facts): each is published once those
+    before it were, or were settled without a publish (decided before, failed), so that the writer decides them in
+    the order given, a later fact after the earlier one it may correct. Claims and waits still run side by side.
+    `PublishOrder.chain(n)`: the places of n writes."""
+
+    def __init__(self, after: asyncio.Event | None) -> None:
+        self._after = after
+        self._published = asyncio.Event()
+
+    @classmethod
+    def chain(cls, count: int) -> list[PublishOrder]:
+        places: list[PublishOrder] = []
+        for _ in range(count):
+            places.append(cls(places[-1]._published if places else None))
+        return places
+
+    async def turn(self) -> None:
+        if self._after is not None:
+            await self._after.wait()
+
+    def done(self) -> None:
+        self._published.set()
 
 
 class ReplayedOutcome(MemoryWriteOutcome):

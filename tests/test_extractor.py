@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared import bus, registry, write_records
 from shared.events import ExtractionSummary, GenerationAgent, GenerationCompleted, utcnow
-from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused
+from shared.extraction import ExtractionResult, Extractor, WritesPending, WritesRefused, candidate_write_id
 from shared.llm import LlmError
 from shared.logs import ContextFilter
 from shared.scripted_llm import CustomLLMError, ScriptedLLM  # after the cost-map setting
@@ -351,6 +351,36 @@ async def test_a_failed_attempt_keeps_the_saved_facts_and_model_and_never_undoes
     async with sessions() as session:
         kept = await registry.get_extraction(session, project_id, "gen_kept")
     assert (kept.status, kept.created, kept.model) == ("completed", 1, "scripted/b")
+
+
+async def test_a_turns_facts_are_published_in_the_models_order(
+    settings: Settings, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each fact was published as soon as its own claim was stored, in whatever order those came back: a later fact
+    # that corrects an earlier one ("the budget is now 40k") could be decided first, and be the one superseded.
+    facts = [f"The budget was revised, version {n}" for n in range(5)]
+    model = llm.script("extract-ordered", json.dumps(facts))
+    claim = write_records.claim_write_id
+
+    async def slower_for_earlier_facts(session: AsyncSession, write_id: str, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.05 * (len(facts) - order_of[write_id]))  # the last fact's claim returns first
+        return await claim(session, write_id, *args, **kwargs)
+
+    published: list[str] = []
+    publish = bus.publish_or_refuse
+
+    async def recorded(nc: Any, subject: str, payload: bytes, **kwargs: Any) -> Any:
+        published.append(json.loads(payload)["content"])
+        return await publish(nc, subject, payload, **kwargs)
+
+    event = turn_event(memory, model, "gen_ordered")
+    order_of = {candidate_write_id(event.project_id, event.generation_id, n, fact): n for n, fact in enumerate(facts)}
+    monkeypatch.setattr(write_records, "claim_write_id", slower_for_earlier_facts)
+    monkeypatch.setattr(bus, "publish_or_refuse", recorded)
+    async with direct_gateway(settings, sessions) as gateway:
+        result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
+    assert result.status == "completed" and published == facts
 
 
 async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_turn_is_retried(
