@@ -329,12 +329,13 @@ VERBS: dict[str, Command] = {
 
 
 def connection(args: argparse.Namespace) -> tuple[str, str | None]:
-    """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else what a local `memories up` was started with:
-    the address it noted in its data directory (its `--port` included), else MEMORIES_PORT's, and the admin token
-    (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
+    """`--url`/`--token`, else MEMORIES_URL/MEMORIES_TOKEN, else what a local `memories up` was started with: its
+    port when MEMORIES_PORT is set, else the address it noted in its data directory (its `--port` included), and
+    the admin token (MEMORIES_ADMIN_TOKEN, else the file it wrote)."""
     settings = get_settings()
     named_url: str | None = args.url or (settings.memories_url if "memories_url" in settings.model_fields_set else None)
-    url = named_url or local_api_url(settings.data_dir) or f"http://127.0.0.1:{settings.memories_port}"
+    noted_url = None if "memories_port" in settings.model_fields_set else local_api_url(settings.data_dir)
+    url = named_url or noted_url or f"http://127.0.0.1:{settings.memories_port}"
     token = args.token or settings.memories_token
     # The admin token of a local run (its variable, or the file it wrote) goes to this machine only, never to a
     # service named elsewhere.

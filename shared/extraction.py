@@ -129,9 +129,41 @@ class UnreadableAnswer(LlmError):
 _DECODER = json.JSONDecoder()
 _FACTS_BEGIN = re.compile(r"\[\s*[\"'{]")
 """Where an array of facts (strings or objects) begins: `["`, `['`, `[{`."""
-_REASONING = re.compile(r"<(think|thinking|reasoning)>.*?</\1>", re.DOTALL | re.IGNORECASE)
+_DRAFT_END = re.compile(r"</(?:think|thinking|reasoning)>", re.IGNORECASE)
+_DRAFT_START = re.compile(r"<(?:think|thinking|reasoning)>", re.IGNORECASE)
 """A reasoning model's draft, which some servers leave in the answer's text (DeepSeek-R1 or Qwen3 on Ollama or vLLM
-without a reasoning parser): the facts come after it, and the draft may quote the conversation's own brackets."""
+without a reasoning parser): the facts come after it, and the draft may quote the conversation's own brackets. Its
+opening tag is often the chat template's, so only the closing one is in the text."""
+_PYTHON_LIST_BEGIN = re.compile(r"\[\s*['\"]")
+_PYTHON_LIST_ENDS_TRIED = 64
+
+
+def _without_draft(text: str) -> str:
+    """The answer after its reasoning draft. UnreadableAnswer for a draft never ended (the model ran out of tokens
+    thinking): there is no answer to read, only the draft's words."""
+    ends = list(_DRAFT_END.finditer(text))
+    if ends:
+        text = text[ends[-1].end() :]
+    if _DRAFT_START.search(text):
+        raise UnreadableAnswer("the model's answer is a reasoning draft it did not end")
+    return text
+
+
+def _python_list_at(text: str, start: int) -> list[Any] | None:
+    """A Python-style list of literals beginning at `start` (`['A', "B's"]`, what small models often write), up to
+    one of the next `]`s; None when there is none."""
+    if not _PYTHON_LIST_BEGIN.match(text, start):
+        return None
+    end = text.find("]", start)
+    for _ in range(_PYTHON_LIST_ENDS_TRIED):
+        if end < 0:
+            return None
+        with contextlib.suppress(ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            written = ast.literal_eval(text[start : end + 1])  # literals only: nothing is run
+            if isinstance(written, list):
+                return written
+        end = text.find("]", end + 1)
+    return None
 
 
 def _facts_array(text: str) -> list[Any]:
@@ -140,19 +172,13 @@ def _facts_array(text: str) -> list[Any]:
     the first array in the text that holds a string or an object (prose with brackets of its own around it:
     "…] I skipped greetings [as instructed]." lost the facts before it). None in prose alone ("I found no facts
     [only greetings]"). UnreadableAnswer when an array of facts was begun and none was finished."""
-    text = _REASONING.sub("", text)
+    text = _without_draft(text)
     first, last = text.find("["), text.rfind("]")
     if 0 <= first < last:
-        span = text[first : last + 1]
         with contextlib.suppress(ValueError):
-            whole = json.loads(span)
+            whole = json.loads(text[first : last + 1])
             if isinstance(whole, list):
                 return whole
-        if span.startswith("['"):
-            with contextlib.suppress(ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                written = ast.literal_eval(span)  # literals only: nothing is run
-                if isinstance(written, list):
-                    return written
     opened, closed = text.find("{"), text.rfind("}")
     if 0 <= opened < closed:
         with contextlib.suppress(ValueError):
@@ -165,14 +191,21 @@ def _facts_array(text: str) -> list[Any]:
         try:
             items, _end = _DECODER.raw_decode(text, start)
         except ValueError:
-            begun = begun or _FACTS_BEGIN.match(text, start) is not None
-        else:
-            if isinstance(items, list) and any(isinstance(item, str | dict) for item in items):
-                return items
+            items = _python_list_at(text, start)
+            begun = begun or (items is None and _FACTS_BEGIN.match(text, start) is not None)
+        if isinstance(items, list) and any(isinstance(item, str | dict) for item in items):
+            return items
         start = text.find("[", start + 1)
     if begun:
         raise UnreadableAnswer(f"the model's answer ({len(text)} characters) begins an array of facts it does not end")
     return []
+
+
+def _fact_of(item: Any) -> Any:
+    """A string item, or the first of an object's `content`, `fact` and `text` that holds one."""
+    if not isinstance(item, dict):
+        return item
+    return next((item[key] for key in ("content", "fact", "text") if isinstance(item.get(key), str)), None)
 
 
 def parse_candidates(text: str) -> list[str]:
@@ -181,7 +214,7 @@ def parse_candidates(text: str) -> list[str]:
     items = _facts_array(text)
     facts = []
     for item in items:
-        content = next((item[key] for key in ("content", "fact", "text") if key in item), None) if isinstance(item, dict) else item
+        content = _fact_of(item)
         if isinstance(content, str):
             content = storable(content).strip()
             # An over-long "fact" is a paragraph, not an atomic fact: dropped, not cut mid-sentence (a cut can
@@ -357,10 +390,16 @@ class Extractor:
         # they are published in the model's order (a later fact may correct an earlier one).
         # A fact the writer failed for good (set aside for an operator) is counted failed, not submitted again:
         # resubmitted, it would be failed again and again while the turn waited for it.
-        outcomes = await asyncio.gather(*(
-            self._gateway.submit(w, timeout=self._write_timeout, retry_failed=REFUSED_FOR_NOW, order=place)
-            for w, place in zip(writes, PublishOrder.chain(len(writes)), strict=True)
-        ))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing stops the others: none is left publishing alone
+                submitted = [
+                    group.create_task(self._gateway.submit(w, timeout=self._write_timeout, retry_failed=REFUSED_FOR_NOW,
+                                                           order=place))
+                    for w, place in zip(writes, PublishOrder.chain(len(writes)), strict=True)
+                ]
+        except ExceptionGroup as failed:
+            raise PublishOrder.cause(failed) from None
+        outcomes = [task.result() for task in submitted]
         # Extracted again, the turn finds the decided writes by their ids, waits for the queued ones and submits
         # the refused ones again; counted as failed, a fact refused while the embedder was down would be lost.
         if refused := sum(1 for outcome in outcomes if outcome is not None and _refused_for_now(outcome)):
@@ -389,9 +428,11 @@ class Extractor:
         return await self._finish(event, ExtractionResult("failed", reason, ExtractionSummary()))
 
     async def _finish(self, event: GenerationCompleted, result: ExtractionResult) -> ExtractionResult:
+        """`result` stored; or, when another delivery extracted the turn for good meanwhile, that one's outcome
+        (`replayed`): this one is neither counted nor announced as the turn's."""
         async with self._sessions.begin() as session:
-            await registry.save_extraction(session, event.project_id, event.generation_id, result)
-        return result
+            stored = await registry.save_extraction(session, event.project_id, event.generation_id, result)
+        return result if stored else await self._replayed(event)
 
 
 async def _pause_after_rate_limit(attempt: int) -> None:

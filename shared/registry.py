@@ -157,7 +157,8 @@ EXTRACTED = ("completed", "skipped")
 
 async def save_extraction(
     session: AsyncSession, project_id: str, generation_id: str, result: ExtractionResult
-) -> None:
+) -> bool:
+    """Whether `result` was stored: a failure or a skip is not, over a turn extracted for good meanwhile."""
     values = {
         "status": result.status,
         "reason": result.reason,
@@ -170,7 +171,7 @@ async def save_extraction(
     if result.status == "failed":
         # The saved facts and the model that answered stay for the retry, which writes those and merges with it.
         del changes["model"]
-    await session.execute(
+    stored = await session.scalar(
         insert(GenerationExtraction)
         .values(project_id=project_id, generation_id=generation_id, **values)
         .on_conflict_do_update(
@@ -180,7 +181,9 @@ async def save_extraction(
             # turn at once) must not undo the outcome of the one that completed it.
             where=None if result.status == "completed" else GenerationExtraction.status.not_in(EXTRACTED),
         )
+        .returning(GenerationExtraction.status)
     )
+    return stored is not None
 
 
 @dataclass(frozen=True, slots=True)

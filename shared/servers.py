@@ -46,21 +46,23 @@ LOCAL_RUN_API_FILE = "api_url"
 """Where a running `memories up` notes its API's address (its --port, its --host), for the CLI's verbs."""
 
 
+def _noted(data_dir: Path, name: str) -> str | None:
+    """What a `memories up` running on this data directory noted there; None when nothing is (or it just went)."""
+    try:
+        return (data_dir / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def local_api_url(data_dir: Path) -> str | None:
     """The API of a `memories up` running on this data directory, as it noted it."""
-    noted = data_dir / LOCAL_RUN_API_FILE
-    return (noted.read_text().strip() or None) if noted.is_file() else None
+    return _noted(data_dir, LOCAL_RUN_API_FILE)
 
 
 def nats_url_for(configured: str | None, data_dir: Path) -> str | None:
     """NATS_URL, else the bus of a `memories up` running on this data directory: one-shot commands (`bus init`,
     `dlq`) find the local run's embedded server, whose port is chosen at each start."""
-    if configured:
-        return configured
-    noted = data_dir / LOCAL_RUN_NATS_FILE
-    if not noted.is_file():
-        return None
-    return noted.read_text().strip() or None
+    return configured or _noted(data_dir, LOCAL_RUN_NATS_FILE)
 
 
 class ServerStartError(RuntimeError):

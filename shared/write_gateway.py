@@ -107,10 +107,14 @@ class WriteGateway:
         Raises IdempotencyKeyReused when the id was first used for a different request.
         """
         try:
-            return await self._submit(event, timeout, fresh_id, client_key, retry_failed, order)
-        finally:
+            outcome = await self._submit(event, timeout, fresh_id, client_key, retry_failed, order)
+        except BaseException:
             if order is not None:
-                order.done()  # published, or never to be by this call: the next may go
+                order.fail()  # not published: the next must not go before it
+            raise
+        if order is not None:
+            order.done()  # published, or settled without a publish (decided before): the next may go
+        return outcome
 
     async def _submit(
         self,
@@ -121,13 +125,13 @@ class WriteGateway:
         retry_failed: Collection[str] | None,
         order: PublishOrder | None,
     ) -> MemoryWriteOutcome | None:
+        deadline = time.monotonic() + timeout
         if fresh_id:
-            outcome = await self._publish_and_wait(event, attempt=0, timeout=timeout, order=order)
+            outcome = await self._publish_and_wait(event, attempt=0, deadline=deadline, order=order)
             if outcome is None:
                 await self._record_pending(event)
             return outcome
         fingerprint = request_hash(event) if client_key else None
-        deadline = time.monotonic() + timeout
         while True:
             record, owned = await self._claim(event, fingerprint, retry_failed)
             if write_records.claimed_by_another_request(record, fingerprint):
@@ -141,9 +145,7 @@ class WriteGateway:
             except _ClaimChanged:
                 continue  # claimed again: published here if its owner gave it up (a 503), else awaited anew
         try:
-            outcome = await self._publish_and_wait(
-                event, attempt=record.failed_attempts, timeout=max(0.0, deadline - time.monotonic()), order=order
-            )
+            outcome = await self._publish_and_wait(event, attempt=record.failed_attempts, deadline=deadline, order=order)
         except bus.BusUnavailable:
             await self._release_claim(event.write_id, claimed_at=record.updated_at)
             raise
@@ -196,8 +198,10 @@ class WriteGateway:
             log.warning("could not release the claim of write %s", write_id, exc_info=True)
 
     async def _publish_and_wait(
-        self, event: MemoryWriteRequested, *, attempt: int, timeout: float, order: PublishOrder | None = None
+        self, event: MemoryWriteRequested, *, attempt: int, deadline: float, order: PublishOrder | None = None
     ) -> MemoryWriteOutcome | None:
+        """Publish, then wait for the writer's outcome until `deadline` (time.monotonic): a wait for the writes
+        before it in `order` counts too."""
         event = event.model_copy(update={"reply_subject": f"{self._inbox}.{event.write_id}"})
         # Registered before publishing: the answer can arrive before the publish acknowledgement.
         future: asyncio.Future[MemoryWriteOutcome] = asyncio.get_running_loop().create_future()
@@ -217,7 +221,7 @@ class WriteGateway:
             if order is not None:
                 order.done()
             try:
-                outcome = await asyncio.wait_for(future, timeout)
+                outcome = await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 return None
         finally:
@@ -252,28 +256,45 @@ class _ClaimChanged(Exception):
 
 
 class PublishOrder:
-    """The place of one write among writes submitted together (a turn's facts): each is published once those
-    before it were, or were settled without a publish (decided before, failed), so that the writer decides them in
-    the order given, a later fact after the earlier one it may correct. Claims and waits still run side by side.
-    `PublishOrder.chain(n)`: the places of n writes."""
+    """The place of one write among writes submitted together (a turn's facts): each is published once the one
+    before it was, or was settled without a publish (decided before), so that the writer decides them in the order
+    given, a later fact after the earlier one it may correct. Claims and waits still run side by side. When one
+    fails unpublished (the bus down), the ones after it fail too (`Broken`) rather than go first: the caller submits
+    them all again. `PublishOrder.chain(n)`: the places of n writes."""
 
-    def __init__(self, after: asyncio.Event | None) -> None:
-        self._after = after
-        self._published = asyncio.Event()
+    class Broken(Exception):
+        """A write before this one failed unpublished."""
+
+    def __init__(self, before: PublishOrder | None) -> None:
+        self._before = before
+        self._settled = asyncio.Event()
+        self._failed = False
 
     @classmethod
     def chain(cls, count: int) -> list[PublishOrder]:
         places: list[PublishOrder] = []
         for _ in range(count):
-            places.append(cls(places[-1]._published if places else None))
+            places.append(cls(places[-1] if places else None))
         return places
 
+    @staticmethod
+    def cause(failed: BaseExceptionGroup[BaseException]) -> BaseException:
+        """What stopped writes submitted together: the failure itself, not the `Broken` ones after it."""
+        return next((e for e in failed.exceptions if not isinstance(e, PublishOrder.Broken)), failed.exceptions[0])
+
     async def turn(self) -> None:
-        if self._after is not None:
-            await self._after.wait()
+        if self._before is not None:
+            await self._before._settled.wait()
+            if self._before._failed:
+                raise PublishOrder.Broken("a write before this one was not published")
 
     def done(self) -> None:
-        self._published.set()
+        self._settled.set()
+
+    def fail(self) -> None:
+        if not self._settled.is_set():  # once published, a later failure (the wait's) holds up none after it
+            self._failed = True
+            self._settled.set()
 
 
 class ReplayedOutcome(MemoryWriteOutcome):

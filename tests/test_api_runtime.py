@@ -119,6 +119,10 @@ async def test_no_free_database_connection_is_a_503() -> None:
     assert response.status_code == 503 and response.json()["error"]["code"] == "SERVICE_UNAVAILABLE"
 
 
+def _responses(**labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value("memories_http_responses_total", labels) or 0.0
+
+
 def refused_by_the_protocol(status: int) -> float:
     """Responses the HTTP protocol wrote itself, which the app's response counter never sees."""
     labels = {"method": UNPARSED, "route": UNMATCHED, "status": str(status)}
@@ -161,11 +165,14 @@ async def test_head_is_answered_wherever_get_is_with_its_headers_and_no_body(set
                 request = f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
                 return raw_exchange(port, request.encode(), quiet_s=0.5)
 
+            heads_counted = _responses(method="HEAD", route="/memories", status="200")
             for path in ("/healthz", f"/api/v1/memories?project_id={project['id']}"):
                 got, head = await asyncio.to_thread(ask, "GET", path), await asyncio.to_thread(ask, "HEAD", path)
                 got_head, _, body = got.partition(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head  # nothing after
                 assert f"content-length: {len(body)}".encode() in head.lower() and body, got_head
+            # Counted as what the client sent, under the route it matched (not as a GET, nor as unmatched).
+            assert _responses(method="HEAD", route="/memories", status="200") == heads_counted + 1
             # A path that takes no GET takes no HEAD, and says what it takes.
             refused = await asyncio.to_thread(ask, "HEAD", "/api/v1/knowledge/search")
             assert refused.startswith(b"HTTP/1.1 405 ") and b"\r\nallow: POST\r\n" in refused, refused

@@ -620,9 +620,15 @@ async def test_connection_settings(
         get_settings.cache_clear()
         code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
         assert code == 0, err
-        # `memories up --port` elsewhere than MEMORIES_PORT: the address it noted in its data directory.
-        monkeypatch.setenv("MEMORIES_PORT", str(free_port()))
+        # `memories up --port`, MEMORIES_PORT unset: the address the run noted in its data directory.
+        monkeypatch.delenv("MEMORIES_PORT")
         (tmp_path / "api_url").write_text(api_url)
+        get_settings.cache_clear()
+        code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
+        assert code == 0, err
+        # MEMORIES_PORT set wins over a noted address (one a run killed outright left behind).
+        monkeypatch.setenv("MEMORIES_PORT", api_url.rsplit(":", 1)[1])
+        (tmp_path / "api_url").write_text(f"http://{LOOPBACK}:{free_port()}")
         get_settings.cache_clear()
         code, out, err = await cli.raw("list-projects", "--json", "--limit", "1")
         assert code == 0, err

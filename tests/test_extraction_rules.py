@@ -173,6 +173,13 @@ def test_a_message_of_content_parts_is_read_by_its_text_parts() -> None:
         ("['The user lives in Porto', 'The user is vegan']", ["The user lives in Porto", "The user is vegan"]),
         ('[{"fact": "A"}, {"text": "B"}]', ["A", "B"]),
         ('{"skipped": ["hello"], "facts": ["A"]}', ["A"]),
+        # The draft's opening tag is often the chat template's: only its end is in the answer.
+        ('The user said ["hello"], a greeting.\n</think>\n["The user lives in Porto"]', ["The user lives in Porto"]),
+        ("[\n  'The user lives in Porto',\n  'The user is vegan'\n]", ["The user lives in Porto", "The user is vegan"]),
+        ("[ 'A' ]", ["A"]),
+        (str(["The user's name is Bob", "likes tea"]), ["The user's name is Bob", "likes tea"]),  # Python's own repr
+        ("['A'] I skipped [greetings].", ["A"]),
+        ('[{"content": null, "fact": "A"}]', ["A"]),  # the first key that holds a text
     ],
 )
 def test_parse_candidates(text: str, facts: list[str]) -> None:
@@ -181,7 +188,8 @@ def test_parse_candidates(text: str, facts: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "text", ['["unterminated', 'The facts: ["A", "B"', '["The user prefers [] over null", "The user lives in',
-             '[{"content": "A"}, {"content": "B', "['The user lives in"],
+             '[{"content": "A"}, {"content": "B', "['The user lives in",
+             '<think>I ran out of tokens while thinking ["x", "y"]'],
 )
 def test_an_array_begun_and_not_finished_is_a_failure_not_no_facts(text: str) -> None:
     # An answer cut off (or malformed) was read as [] and stored as the turn's answer for good ("completed", no

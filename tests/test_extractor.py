@@ -345,12 +345,17 @@ async def test_a_failed_attempt_keeps_the_saved_facts_and_model_and_never_undoes
     # Two deliveries of one turn at once: the late one's failure (or skip) leaves the other's completion standing.
     done = ExtractionResult("completed", None, ExtractionSummary(candidates=1, created=1), "scripted/b")
     async with sessions.begin() as session:
-        await registry.save_extraction(session, project_id, "gen_kept", done)
+        assert await registry.save_extraction(session, project_id, "gen_kept", done) is True
         for late in ("failed", "skipped"):
-            await registry.save_extraction(session, project_id, "gen_kept", ExtractionResult(late, "late", ExtractionSummary()))
+            late_result = ExtractionResult(late, "late", ExtractionSummary())
+            assert await registry.save_extraction(session, project_id, "gen_kept", late_result) is False
     async with sessions() as session:
         kept = await registry.get_extraction(session, project_id, "gen_kept")
     assert (kept.status, kept.created, kept.model) == ("completed", 1, "scripted/b")
+    # The late delivery's caller is told the turn's outcome, so it neither dead-letters nor announces a failure.
+    extractor = Extractor(sessions, None, llm_timeout=5, write_timeout=5)  # type: ignore[arg-type]
+    told = await extractor.record_failure(turn_event(memory, "unused", "gen_kept"), "late")
+    assert (told.status, told.replayed, told.summary.created) == ("completed", True, 1)
 
 
 async def test_a_turns_facts_are_published_in_the_models_order(
@@ -381,6 +386,30 @@ async def test_a_turns_facts_are_published_in_the_models_order(
     async with direct_gateway(settings, sessions) as gateway:
         result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
     assert result.status == "completed" and published == facts
+
+
+async def test_a_fact_the_bus_refused_holds_back_the_facts_after_it(
+    settings: Settings, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The facts after it were published all the same, and the refused one again on the turn's retry: after them.
+    facts = [f"The office moved, step {n}" for n in range(4)]
+    model = llm.script("extract-refused", json.dumps(facts))
+    published: list[str] = []
+    publish = bus.publish_or_refuse
+
+    async def refuses_the_third(nc: Any, subject: str, payload: bytes, **kwargs: Any) -> Any:
+        content = json.loads(payload)["content"]
+        if content == facts[2]:
+            raise bus.BusUnavailable("the stream refused it")
+        published.append(content)
+        return await publish(nc, subject, payload, **kwargs)
+
+    monkeypatch.setattr(bus, "publish_or_refuse", refuses_the_third)
+    async with direct_gateway(settings, sessions) as gateway:
+        with pytest.raises(bus.BusUnavailable, match="the stream refused it"):  # the cause, not the ones held back
+            await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(turn_event(memory, model, "gen_refused"))
+    assert published == facts[:2]
 
 
 async def test_facts_refused_while_the_embedder_is_down_are_written_when_the_turn_is_retried(

@@ -124,8 +124,8 @@ def create_app(settings: Settings) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
-    app.add_middleware(ResponseCounter)  # counts the body limit's 413s too
-    app.add_middleware(HeadAsGet)  # outermost: every layer within sees a GET
+    app.add_middleware(HeadAsGet)  # every layer within sees a GET
+    app.add_middleware(ResponseCounter)  # outermost of ours: counts the body limit's 413s too, and a HEAD as one
     api = APIRouter(prefix=API_PREFIX)
     for module in (projects, api_keys, memories, entries, writes, knowledge, agents, generations, provenance, providers):
         api.include_router(module.router)

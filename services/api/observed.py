@@ -67,6 +67,12 @@ class HeadAsGet:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        as_get = {**scope, "method": "GET"}
+        try:
+            await self.app(as_get, receive, send)
+        finally:
+            if "route" in as_get:  # for ResponseCounter outside: the route the router matched, in the HEAD's scope
+                scope["route"] = as_get["route"]

@@ -166,6 +166,10 @@ class ExtractorService(ConsumerProcess):
             await message.nack(delay=bus.retry_delay(self.settings.memories_retry_backoff_s, delivered))
             return
         result = await self._extractor.record_failure(event, reason)
+        if result.replayed:  # another delivery extracted the turn meanwhile: that outcome stands, nothing failed
+            await message.ack()
+            await self._announce(event, result)
+            return
         _count(result)
         await bus.dead_letter(self.nc.jetstream(), "extractor", raw.subject, message.body, reason=reason)
         await message.ack()

@@ -232,7 +232,7 @@ async def import_lines(
             if _unreachable(exc):
                 raise
             for line in batch:
-                summary.fail(line.number, _reason(exc))
+                summary.fail(line.number, str(exc))  # its code, message and wrong fields
             on_progress(summary)
             return
         for line in batch:
@@ -288,7 +288,7 @@ async def _write(
             summary.counts["skipped"] += 1
             summary.already_imported += 1
         else:
-            summary.fail(line.number, _reason(exc))
+            summary.fail(line.number, str(exc))  # its code, message and wrong fields
         return
     if already or written.replayed:
         summary.counts["skipped"] += 1
@@ -297,11 +297,6 @@ async def _write(
     summary.counts[written.action.value if written.action else written.status] += 1
     if written.status == "pending":
         summary.pending.append((line.number, written.write_id))
-
-
-def _reason(error: MemoriesError) -> str:
-    """The envelope's code and message, and the fields it names: in a large file, what to fix on the line."""
-    return str(error)
 
 
 async def _already_written(client: AsyncMemoriesClient, project_id: str, idempotency_key: str) -> bool:
