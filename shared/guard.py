@@ -126,14 +126,20 @@ def _stem(word: str) -> str:
     return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
 
 
+_DIGITS_SCALED_MAX = 64
+"""Longer amounts with a multiplier ("1234…k") compare as written: scaled, they would be numbers past int()'s limit."""
+
+
 def _number(digits: str, suffix: str) -> str:
     if _THOUSANDS.fullmatch(digits):
         digits = digits.replace(",", "")  # "40,000" == "40000"
     suffix = "" if suffix.casefold() in ORDINAL_SUFFIXES else suffix.casefold()
     suffix = UNITS.get(suffix, suffix)
     if digits.isdigit() and not suffix:
-        return str(int(digits))
-    if suffix in MULTIPLIERS and _DECIMAL.fullmatch(digits):  # "$40k" == "40,000", "1.2M" == "1.2 million"
+        # Leading zeros dropped as text: int() refuses over 4,300 digits, and one such entry failed every
+        # guarded decision against it.
+        return digits.lstrip("0") or "0"
+    if suffix in MULTIPLIERS and _DECIMAL.fullmatch(digits) and len(digits) <= _DIGITS_SCALED_MAX:
         whole, _, frac = digits.partition(".")
         return str(int(whole + frac) * MULTIPLIERS[suffix] // 10 ** len(frac))
     # "3.10" is not "3.1" when it is a version, so other values compare as written.

@@ -212,3 +212,12 @@ def test_rules_fire_on_no_other_paraphrase() -> None:
         if p["kind"] == "paraphrase" and meaning_change(p["existing"], p["incoming"])
     }
     assert fired <= PARAPHRASES_A_RULE_FIRES_ON, fired - PARAPHRASES_A_RULE_FIRES_ON
+
+
+def test_a_number_longer_than_int_takes_is_compared_not_a_failure() -> None:
+    # int() refuses over 4,300 digits: one entry holding such a number failed every guarded decision against it
+    # (its batch retried write by write, the write dead-lettered).
+    digits = "1" * 4400
+    assert meaning_change(f"Account id {digits}", f"Account id {digits[:-1]}2") == "value"
+    assert meaning_change(f"Account id {digits}", f"Account id 0{digits}") is None  # a leading zero is the same number
+    assert meaning_change(f"Budget {digits}k", f"Budget {digits}k") is None
