@@ -135,7 +135,14 @@ _DRAFT_START = re.compile(r"<(?:think|thinking|reasoning)>", re.IGNORECASE)
 without a reasoning parser): the facts come after it, and the draft may quote the conversation's own brackets. Its
 opening tag is often the chat template's, so only the closing one is in the text."""
 _PYTHON_LIST_BEGIN = re.compile(r"\[\s*['\"]")
-_PYTHON_LIST_ENDS_TRIED = 64
+_PYTHON_LISTS_TRIED = 64
+"""Python-style readings of an answer at most: each is a parse of up to the whole answer, and a hostile one (a
+model steered by the conversation) with a thousand `['` would otherwise hold the extractor for minutes."""
+_UNPARSABLE = (ValueError, RecursionError)  # JSON nested past Python's stack is no answer either
+ANSWER_MAX_CHARS = 200_000
+"""The longest answer read: twenty facts of 8,000 characters, in JSON. A longer one is no list of atomic facts."""
+_ARRAY_STARTS_TRIED = 256
+"""`[`s of an answer read as the start of its array at most: each reading may run to the answer's end."""
 
 
 def _without_draft(text: str) -> str:
@@ -149,15 +156,14 @@ def _without_draft(text: str) -> str:
     return text
 
 
-def _python_list_at(text: str, start: int) -> list[Any] | None:
+def _python_list_at(text: str, start: int, tries: list[int]) -> list[Any] | None:
     """A Python-style list of literals beginning at `start` (`['A', "B's"]`, what small models often write), up to
-    one of the next `]`s; None when there is none."""
+    one of the next `]`s; None when there is none, or when `tries` (the readings left for the answer) runs out."""
     if not _PYTHON_LIST_BEGIN.match(text, start):
         return None
     end = text.find("]", start)
-    for _ in range(_PYTHON_LIST_ENDS_TRIED):
-        if end < 0:
-            return None
+    while end >= 0 and tries[0] > 0:
+        tries[0] -= 1
         with contextlib.suppress(ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             written = ast.literal_eval(text[start : end + 1])  # literals only: nothing is run
             if isinstance(written, list):
@@ -172,26 +178,31 @@ def _facts_array(text: str) -> list[Any]:
     the first array in the text that holds a string or an object (prose with brackets of its own around it:
     "…] I skipped greetings [as instructed]." lost the facts before it). None in prose alone ("I found no facts
     [only greetings]"). UnreadableAnswer when an array of facts was begun and none was finished."""
+    if len(text) > ANSWER_MAX_CHARS:
+        raise UnreadableAnswer(f"the model's answer is {len(text)} characters long, over {ANSWER_MAX_CHARS}")
     text = _without_draft(text)
     first, last = text.find("["), text.rfind("]")
     if 0 <= first < last:
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(*_UNPARSABLE):
             whole = json.loads(text[first : last + 1])
             if isinstance(whole, list):
                 return whole
     opened, closed = text.find("{"), text.rfind("}")
     if 0 <= opened < closed:
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(*_UNPARSABLE):
             answer = json.loads(text[opened : closed + 1])
             if isinstance(answer, dict) and isinstance(answer.get("facts"), list):
                 return list(answer["facts"])
     begun = False
     start = first
-    while start >= 0:
+    tries = [_PYTHON_LISTS_TRIED]
+    for _ in range(_ARRAY_STARTS_TRIED):
+        if start < 0:
+            break
         try:
             items, _end = _DECODER.raw_decode(text, start)
-        except ValueError:
-            items = _python_list_at(text, start)
+        except _UNPARSABLE:
+            items = _python_list_at(text, start, tries)
             begun = begun or (items is None and _FACTS_BEGIN.match(text, start) is not None)
         if isinstance(items, list) and any(isinstance(item, str | dict) for item in items):
             return items

@@ -395,3 +395,33 @@ def test_an_agent_is_read_in_either_case_and_its_other_keys_pass_as_they_are() -
         GenerationAgent.model_validate({"aiProviderId": "aip_1", "ai_provider_id": "aip_2"})
     with pytest.raises(ValidationError, match="memoryIdz"):
         KnowledgeConfig.model_validate({"memoryIdz": ["mem_x"]})
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["['" * 2000 + "]" * 64, "Facts: " + "[" * 1000 + '"tea"' + "]" * 1000, "[" * 5000, "x" * 300_000],
+)
+def test_a_hostile_answer_is_read_with_bounded_work(answer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model steered by the conversation answered a thousand "['": each was read as a Python list up to each "]"
+    # after it, and the extractor's loop stood still for minutes; JSON nested 1,000 deep raised RecursionError.
+    import ast
+
+    from shared import extraction
+
+    readings = {"python": 0, "json": 0}
+    literal_eval, decoder = ast.literal_eval, extraction._DECODER
+
+    class CountedDecoder:
+        def raw_decode(self, text: str, start: int) -> Any:
+            readings["json"] += 1
+            return decoder.raw_decode(text, start)
+
+    def counted_literal_eval(source: str) -> Any:
+        readings["python"] += 1
+        return literal_eval(source)
+
+    monkeypatch.setattr(extraction.ast, "literal_eval", counted_literal_eval)
+    monkeypatch.setattr(extraction, "_DECODER", CountedDecoder())
+    with contextlib.suppress(UnreadableAnswer):  # an answer, or a failure of its target: never a hang or a crash
+        parse_candidates(answer)
+    assert readings["python"] <= extraction._PYTHON_LISTS_TRIED and readings["json"] <= extraction._ARRAY_STARTS_TRIED
