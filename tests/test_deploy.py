@@ -122,6 +122,10 @@ def test_nats_node_config_is_valid_for_nats_server(path: Path) -> None:
                               text=True, timeout=30, env=environment)
 
     passwords = {user.password_variable: "a-password" for user in bus_permissions.USERS}
+    # The route login and the other nodes' URLs, as compose's x-nats environment gives them.
+    passwords["MEMORIES_NATS_ROUTE_PASSWORD"] = "a-route-password"
+    for number in (1, 2, 3):
+        passwords[f"MEMORIES_NATS_ROUTE_{number}"] = f"nats-route://memories-route:a-route-password@nats-{number}:6222"
     result = check({**os.environ, **passwords})
     assert result.returncode == 0, result.stderr or result.stdout
     # A password not given is a server that does not start, not a user let in without one.
@@ -202,7 +206,8 @@ BUS_USERS = {user.role: user for user in bus_permissions.USERS}
 
 
 def test_compose_services_log_in_to_the_bus_as_their_own_users() -> None:
-    assert set(compose()["x-nats"]["environment"]) == {user.password_variable for user in bus_permissions.USERS}
+    routes = {"MEMORIES_NATS_ROUTE_PASSWORD", *(f"MEMORIES_NATS_ROUTE_{number}" for number in (1, 2, 3))}
+    assert set(compose()["x-nats"]["environment"]) == {user.password_variable for user in bus_permissions.USERS} | routes
     # deploy/.env holds every user's password for compose's interpolation: no container loads it whole.
     assert [entry["path"] for entry in compose()["x-memories"]["env_file"]] == ["providers.env"]
     for name, service in compose_memories_services().items():
@@ -251,8 +256,11 @@ def test_compose_nats_cluster_has_three_nodes_for_three_stream_replicas() -> Non
     nodes = sorted(name for name in doc["services"] if name.startswith("nats-"))
     assert nodes == ["nats-1", "nats-2", "nats-3"]
     cluster_conf = (DEPLOY / "nats" / "cluster.conf").read_text()
-    for node in nodes:
-        assert f"nats-route://{node}:6222" in cluster_conf
+    nats_env = doc["x-nats"]["environment"]
+    for number, node in enumerate(nodes, start=1):
+        assert f"$MEMORIES_NATS_ROUTE_{number}" in cluster_conf
+        assert nats_env[f"MEMORIES_NATS_ROUTE_{number}"] == (
+            f"nats-route://memories-route:${{MEMORIES_NATS_ROUTE_PASSWORD}}@{node}:6222")
         config_file = doc["services"][node]["command"][-1]
         assert (DEPLOY / "nats" / Path(config_file).name).exists()
         assert f"server_name: {node}" in (DEPLOY / "nats" / Path(config_file).name).read_text()
@@ -792,3 +800,24 @@ def test_compose_postgres_admits_every_pool_of_the_shipped_compose() -> None:
     postgres = services["postgres"]["command"]
     limit = int(next(arg for arg in postgres if arg.startswith("max_connections=")).split("=")[1])
     assert needed > 100 and limit > needed + 10, (needed, limit)
+
+
+def test_the_nats_nodes_log_in_to_each_other() -> None:
+    # Without a route login, any server that reached port 6222 joined the cluster, and routes bypass every user's
+    # permissions: it read every tenant's writes and turns, and could forge writes and outcomes (a security review
+    # showed it with two servers).
+    cluster = (DEPLOY / "nats" / "cluster.conf").read_text()
+    block = cluster[cluster.index("cluster {"):]
+    assert re.search(r"authorization\s*\{\s*user: memories-route\s*password: \$MEMORIES_NATS_ROUTE_PASSWORD", block)
+    # Its password is generated into deploy/.env with the users' (test_nats_node_config_is_valid_for_nats_server
+    # checks that the files hold together).
+    assert 'echo "MEMORIES_NATS_${user}_PASSWORD' in compose_text() and "ADMIN ROUTE; do" in compose_text()
+
+
+def test_the_nats_namespace_admits_routes_from_its_own_servers_only() -> None:
+    policy = load_yaml(DEPLOY / "nats" / "network-policy.yaml")
+    servers = policy["spec"]["podSelector"]["matchLabels"]
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in policy["spec"]["ingress"]}
+    assert by_port[6222] == [{"podSelector": {"matchLabels": servers}}]  # no namespace, no other pod
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "memories"}}} in by_port[4222]
+    assert set(by_port) == {4222, 6222, 8222} and policy["metadata"]["namespace"] == "nats"
