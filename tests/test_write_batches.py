@@ -472,9 +472,9 @@ async def test_outcomes_and_audit_records_are_stored_as_given(
 
 @pytest.mark.parametrize(
     ("rule", "prompt_version"),
-    [("merged", "merge-v1"), ("arbitration_failed:merged", "merge-v1"), ("arbitrated:update", "arbitrate-v1"),
+    [("merged", "merge-v2"), ("arbitration_failed:merged", "merge-v2"), ("arbitrated:update", "arbitrate-v2"),
      # Asked, though its answer was not used: the audit still names it.
-     ("arbitration_failed:guard:order", "arbitrate-v1"), ("merge_failed", "merge-v1"),
+     ("arbitration_failed:guard:order", "arbitrate-v2"), ("merge_failed", "merge-v2"),
      ("arbitration_unavailable:guard:order", None), ("near_duplicate", None)],
 )
 def test_the_audit_names_the_model_of_whichever_step_asked_it(rule: str, prompt_version: str | None) -> None:
