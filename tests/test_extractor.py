@@ -358,6 +358,22 @@ async def test_a_failed_attempt_keeps_the_saved_facts_and_model_and_never_undoes
     assert (told.status, told.replayed, told.summary.created) == ("completed", True, 1)
 
 
+def recorded_publishes(monkeypatch: pytest.MonkeyPatch, refused: str | None = None) -> list[str]:
+    """The facts the write gateway publishes, in order, as they go; the bus refuses the one that is `refused`."""
+    published: list[str] = []
+    publish = bus.publish_or_refuse
+
+    async def recorded(nc: Any, subject: str, payload: bytes, **kwargs: Any) -> Any:
+        content = json.loads(payload)["content"]
+        if content == refused:
+            raise bus.BusUnavailable("the stream refused it")
+        published.append(content)
+        return await publish(nc, subject, payload, **kwargs)
+
+    monkeypatch.setattr(bus, "publish_or_refuse", recorded)
+    return published
+
+
 async def test_a_turns_facts_are_published_in_the_models_order(
     settings: Settings, memory: dict[str, Any], llm: ScriptedLLM, sessions: async_sessionmaker[AsyncSession],
     monkeypatch: pytest.MonkeyPatch,
@@ -372,17 +388,10 @@ async def test_a_turns_facts_are_published_in_the_models_order(
         await asyncio.sleep(0.05 * (len(facts) - order_of[write_id]))  # the last fact's claim returns first
         return await claim(session, write_id, *args, **kwargs)
 
-    published: list[str] = []
-    publish = bus.publish_or_refuse
-
-    async def recorded(nc: Any, subject: str, payload: bytes, **kwargs: Any) -> Any:
-        published.append(json.loads(payload)["content"])
-        return await publish(nc, subject, payload, **kwargs)
-
     event = turn_event(memory, model, "gen_ordered")
     order_of = {candidate_write_id(event.project_id, event.generation_id, n, fact): n for n, fact in enumerate(facts)}
     monkeypatch.setattr(write_records, "claim_write_id", slower_for_earlier_facts)
-    monkeypatch.setattr(bus, "publish_or_refuse", recorded)
+    published = recorded_publishes(monkeypatch)
     async with direct_gateway(settings, sessions) as gateway:
         result = await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(event)
     assert result.status == "completed" and published == facts
@@ -395,17 +404,7 @@ async def test_a_fact_the_bus_refused_holds_back_the_facts_after_it(
     # The facts after it were published all the same, and the refused one again on the turn's retry: after them.
     facts = [f"The office moved, step {n}" for n in range(4)]
     model = llm.script("extract-refused", json.dumps(facts))
-    published: list[str] = []
-    publish = bus.publish_or_refuse
-
-    async def refuses_the_third(nc: Any, subject: str, payload: bytes, **kwargs: Any) -> Any:
-        content = json.loads(payload)["content"]
-        if content == facts[2]:
-            raise bus.BusUnavailable("the stream refused it")
-        published.append(content)
-        return await publish(nc, subject, payload, **kwargs)
-
-    monkeypatch.setattr(bus, "publish_or_refuse", refuses_the_third)
+    published = recorded_publishes(monkeypatch, refused=facts[2])
     async with direct_gateway(settings, sessions) as gateway:
         with pytest.raises(bus.BusUnavailable, match="the stream refused it"):  # the cause, not the ones held back
             await Extractor(sessions, gateway, llm_timeout=5, write_timeout=15).extract(turn_event(memory, model, "gen_refused"))
