@@ -8,15 +8,16 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import nats.errors
-import nats.js.errors
-from nats.js import JetStreamContext
-
-from shared import bus, bus_admin, bus_connection
-from shared.servers import NATS_URL_MISSING, nats_url_for
+from shared.local_run import NATS_URL_MISSING, nats_url_for
 from shared.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+# nats-py (and aiohttp with it) and the bus modules are imported by the commands that use them: every `memories`
+# command registers this module's verbs, and a REST verb would otherwise pay ~0.25 s for them at each call.
 
 T = TypeVar("T")
 log = logging.getLogger("memories.cli")
@@ -52,6 +53,10 @@ def with_jetstream(work: Callable[[JetStreamContext], Awaitable[T]]) -> T | None
 
 def on_jetstream(nats_url: str, work: Callable[[JetStreamContext], Awaitable[T]]) -> T:
     """Run `work` on the bus at `nats_url`; exits 1, in one line, when it cannot be reached."""
+    import nats.errors
+    import nats.js.errors
+
+    from shared import bus_connection
 
     async def run() -> T:
         nc = await bus_connection.connect(nats_url, name="memories-cli", one_shot=True, settings=get_settings())
@@ -83,6 +88,7 @@ def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
     yet, the one moment a changed MEMORIES_PARTITIONS can be applied (as `bus init` would), the partitions it drops
     pruned, and the writes the last run's writer held released at once (`bus_admin.release_held_writes`). The refusal,
     when writes of the old count are still queued; None once laid out."""
+    from shared import bus, bus_admin
 
     async def apply(js: JetStreamContext) -> None:
         await bus.ensure_layout(js, settings, bus.Role.ADMIN)
@@ -101,6 +107,8 @@ def lay_out_for_the_local_run(nats_url: str, settings: Settings) -> str | None:
 
 
 def cmd_bus_init(_args: argparse.Namespace) -> int:
+    from shared import bus
+
     settings = get_settings()
 
     async def apply(js: JetStreamContext) -> bool:
@@ -118,6 +126,8 @@ def cmd_bus_init(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_status(_args: argparse.Namespace) -> int:
+    from shared import bus, bus_admin
+
     settings = get_settings()
     status = with_jetstream(lambda js: bus_admin.bus_status(js, settings))
     if status is None:
@@ -139,6 +149,8 @@ def cmd_bus_status(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_prune(_args: argparse.Namespace) -> int:
+    from shared import bus_admin
+
     deleted, busy = _on_the_recorded_count(bus_admin.prune_consumers)
     print(f"deleted: {', '.join(deleted) or 'none'}")
     return _refused_for(
@@ -149,6 +161,8 @@ def cmd_bus_prune(_args: argparse.Namespace) -> int:
 
 
 def cmd_bus_reroute(_args: argparse.Namespace) -> int:
+    from shared import bus_admin
+
     moved, consumed = _on_the_recorded_count(bus_admin.reroute_stranded_writes)
     print(
         f"moved {moved} writes to their memory's partition, each after that memory's writes queued there"
@@ -164,6 +178,8 @@ def cmd_bus_reroute(_args: argparse.Namespace) -> int:
 def _on_the_recorded_count(work: Callable[[JetStreamContext, Settings], Awaitable[T]]) -> T:
     """`work` with this configuration, whose partition count must be the one the bus is laid out for: exits 1,
     saying why, when it is not (`bus.PartitionCountMismatch`), and 2 when no bus is configured."""
+    from shared import bus
+
     settings = get_settings()
     try:
         done = with_jetstream(lambda js: work(js, settings))

@@ -7,7 +7,6 @@ import json
 import sys
 
 from services.cli_bus import with_jetstream
-from shared import dead_letters
 
 ORIGINS = ("writer", "extractor")
 _REASON_WIDTH = 80
@@ -53,6 +52,8 @@ def _sequence(text: str) -> int:
 
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:
+    from shared import dead_letters  # nats-py with it: see services.cli_bus
+
     letters = with_jetstream(
         lambda js: dead_letters.list_dead_letters(js, origin=args.origin, limit=args.limit or None)
     )
@@ -75,6 +76,8 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    from shared import dead_letters  # nats-py with it: see services.cli_bus
+
     if args.all == bool(args.sequences):
         print("give either sequences or --all", file=sys.stderr)
         return 2
@@ -98,6 +101,8 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_delete(args: argparse.Namespace) -> int:
+    from shared import dead_letters  # nats-py with it: see services.cli_bus
+
     results = with_jetstream(lambda js: dead_letters.discard(js, list(args.sequences)))
     if results is None:
         return 2

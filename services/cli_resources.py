@@ -34,7 +34,7 @@ from shared.client import (
     WritePolicy,
 )
 from shared.client.bulk import ImportSummary, ProgressBar, file_digest, import_lines, parse_lines, strict_json
-from shared.servers import local_api_url
+from shared.local_run import local_api_url
 from shared.settings import get_settings
 
 Command = Callable[[MemoriesClient, argparse.Namespace], Any]

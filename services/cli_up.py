@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.cli import _port
-from shared.embeddings import LOCAL_PREFIX
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger("memories")
@@ -76,9 +75,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.api.serving import stop_grace_s
     from services.cli_bus import lay_out_for_the_local_run
     from shared.db.migrate import upgrade
+    from shared.local_run import LOCAL_RUN_API_FILE, LOCAL_RUN_NATS_FILE
     from shared.servers import (
-        LOCAL_RUN_API_FILE,
-        LOCAL_RUN_NATS_FILE,
         EmbeddedNats,
         EmbeddedPostgres,
         LocalServersMissing,
@@ -230,6 +228,8 @@ def _metrics_ports(settings: Settings) -> dict[str, int]:
 
 
 def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, int]) -> None:
+    from shared.embeddings import LOCAL_PREFIX
+
     base = f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"
     lines = [
         f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs); it says when it is ready",

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import logging
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -717,3 +718,12 @@ def test_output_cut_short_by_its_reader_ends_quietly(monkeypatch: pytest.MonkeyP
     with open(write_end, "w", closefd=True) as gone:
         monkeypatch.setattr("sys.stdout", gone)
         assert cli.main(["openapi", "--output", "-"]) == 141
+
+
+def test_the_cli_loads_neither_the_bus_nor_the_model_nor_the_database_driver_to_start() -> None:
+    # Every `memories` call registers every verb: nats-py (with aiohttp), numpy and psycopg cost ~0.35 s a call, the
+    # REST verbs' included, which use none of them.
+    probe = ("import sys; from services.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('nats', 'aiohttp', 'numpy', 'psycopg', 'sqlalchemy') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert loaded.stdout.strip() == "[]", loaded.stdout

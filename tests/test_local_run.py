@@ -20,7 +20,8 @@ import httpx
 
 from services.api.limits import MAX_HEAD_BYTES
 from services.cli_up import _models_line
-from shared.servers import LOCAL_RUN_API_FILE, LOCAL_RUN_NATS_FILE, free_port
+from shared.local_run import LOCAL_RUN_API_FILE, LOCAL_RUN_NATS_FILE
+from shared.servers import free_port
 from shared.settings import Settings
 from tests.conftest import raw_exchange
 
