@@ -228,15 +228,17 @@ def refuse_address(model: str) -> str:
 
 ModelName = Annotated[str, StringConstraints(max_length=255), AfterValidator(refuse_nul), AfterValidator(refuse_address)]
 """A litellm model name as an agent or a provider's registration names it (no provider's name is longer)."""
-def _once_each(tags: list[str]) -> list[str]:
-    # A tag twice is the same label twice, in any case (globs match tags case-blind): kept once, as first given.
+
+
+def distinct_tags(tags: list[str]) -> list[str]:
+    """Each label once, as first given: a tag twice, in any case, is the same label (globs match tags case-blind)."""
     first: dict[str, str] = {}
     for tag in tags:
         first.setdefault(tag.lower(), tag)
     return list(first.values())
 
 
-Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT), AfterValidator(_once_each)]
+Tags = Annotated[list[Tag], Field(max_length=TAGS_MAX_COUNT), AfterValidator(distinct_tags)]
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
 WrittenMetadata = Annotated[Metadata, AfterValidator(refuse_metadata_grown_as_stored)]
 """What a client may write as an entry's metadata (the bus event takes any Metadata: a write an API of an earlier

@@ -41,6 +41,7 @@ from shared.events import (
     WriteAction,
     WriteError,
     WritePolicy,
+    distinct_tags,
     json_text,
 )
 from shared.guard import content_hash
@@ -621,9 +622,7 @@ def _labels_taken_over(
     write's new ones; the entry's metadata, the write's values winning. Within a write's own limits, or the entry
     could not be sent back as it is served (an edit is held to them): the write's new tags while they fit under
     TAGS_MAX_COUNT, and past METADATA_MAX_BYTES the write's metadata with the entry's other keys while they fit."""
-    tags = list(entry.tags or [])
-    seen = {tag.lower() for tag in tags}
-    tags += [tag for tag in event.tags or [] if tag.lower() not in seen][: max(0, TAGS_MAX_COUNT - len(tags))]
+    tags = distinct_tags([*(entry.tags or []), *(event.tags or [])])[:TAGS_MAX_COUNT]
     metadata = {**(entry.metadata_ or {}), **(event.metadata or {})}
     if len(json_text(metadata).encode()) > METADATA_MAX_BYTES:
         metadata = dict(event.metadata or {})
