@@ -129,9 +129,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         env["MEMORIES_ADMIN_TOKEN"] = _admin_token(settings)
         env["MEMORIES_HOST"] = host
         env["MEMORIES_PORT"] = str(port)
+        reachable = _reachable(host)  # where a client on this machine finds the API, the probes, the metrics
         # For the CLI's verbs in another shell (`up --port` changes the address MEMORIES_PORT would give them).
         noted_api = settings.data_dir / LOCAL_RUN_API_FILE
-        noted_api.write_text(f"http://{_reachable(host)}:{port}")
+        noted_api.write_text(f"http://{reachable}:{port}")
         upgrade(env["DATABASE_URL"])
         for service in _SERVICES:
             # On the API's address (local unless --host says otherwise): /metrics and the probes need no token.
@@ -142,9 +143,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             ends = _ends_with(os.getpid())
             # No terminal input: in a process group of its own, a read from the terminal would stop it (SIGTTIN).
             children.append(subprocess.Popen(command, env=child_env, stdin=subprocess.DEVNULL, preexec_fn=ends))  # noqa: PLW1509
-        _announce(env, settings, metrics_ports)
-        probes = [f"http://{env['MEMORIES_HOST']}:{port}/readyz" for port in (env["MEMORIES_PORT"], *metrics_ports.values())]
-        return _supervise(children, _until_ready(probes, f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"))
+        _announce(env, settings, reachable, metrics_ports)
+        probes = [f"http://{reachable}:{each}/readyz" for each in (port, *metrics_ports.values())]
+        return _supervise(children, _until_ready(probes, f"http://{reachable}:{port}"))
     finally:
         _stop_services(children, api_grace_s=stop_grace_s(settings))
         if noted_nats is not None:  # only this run's: another `up` refused on the same data dir leaves it be
@@ -227,15 +228,15 @@ def _metrics_ports(settings: Settings) -> dict[str, int]:
     return {"writer": free_port(), "extractor": free_port()}
 
 
-def _announce(env: dict[str, str], settings: Settings, metrics_ports: dict[str, int]) -> None:
+def _announce(env: dict[str, str], settings: Settings, reachable: str, metrics_ports: dict[str, int]) -> None:
     from shared.embeddings import LOCAL_PREFIX
 
-    base = f"http://{env['MEMORIES_HOST']}:{env['MEMORIES_PORT']}"
+    base = f"http://{reachable}:{env['MEMORIES_PORT']}"
     lines = [
         f"Memories is starting at {base}  (API under {base}/api/v1, docs at {base}/docs); it says when it is ready",
         f"Admin token: {env['MEMORIES_ADMIN_TOKEN']}",
         "Metrics: API " + f"{base}/metrics, "
-        + ", ".join(f"{name} http://{env['MEMORIES_HOST']}:{port}/metrics" for name, port in metrics_ports.items()),
+        + ", ".join(f"{name} http://{reachable}:{port}/metrics" for name, port in metrics_ports.items()),
         f"Embeddings: {settings.embedding_model}"
         + (" (in-process, offline)" if settings.embedding_model.startswith(LOCAL_PREFIX) else ""),
     ]
