@@ -24,6 +24,7 @@ import yaml  # type: ignore[import-untyped]
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
 
 from services.cli import _parse_partitions, build_parser, main
+from services.extractor.main import POOL_SIZE as EXTRACTOR_POOL_SIZE
 from services.writer.partitions import PinnedPull
 from shared import bus, bus_permissions, metrics
 from shared.db.session import create_engine
@@ -796,7 +797,7 @@ def test_compose_postgres_admits_every_pool_of_the_shipped_compose() -> None:
             first, last = map(int, command[command.index("--partitions") + 1].split("-"))
             needed += replicas * (min(last - first + 1, 32) + 2 + defaults["max_overflow"].default)
         elif command[:1] == ["extractor"]:
-            needed += 4 * (4 + defaults["max_overflow"].default)  # scaled to 4, as the docs show
+            needed += 4 * (EXTRACTOR_POOL_SIZE + defaults["max_overflow"].default)  # scaled to 4, as the docs show
     postgres = services["postgres"]["command"]
     limit = int(next(arg for arg in postgres if arg.startswith("max_connections=")).split("=")[1])
     assert needed > 100 and limit > needed + 10, (needed, limit)

@@ -38,11 +38,16 @@ QUEUED_WRITES_PATIENCE_S = 600.0
 counted towards MEMORIES_MAX_DELIVER: writers restarted or redeployed are back well within it."""
 
 
+POOL_SIZE = 4
+"""Database connections an extractor keeps: its turns mostly wait on their model, holding none (docs/operations.md
+counts them, "Database connections")."""
+
+
 class ExtractorService(ConsumerProcess):
     role = bus.Role.EXTRACTOR
 
     def __init__(self, settings: Settings, concurrency: int = 8) -> None:
-        super().__init__(settings, pool_size=4, graceful_timeout=30.0)
+        super().__init__(settings, pool_size=POOL_SIZE, graceful_timeout=30.0)
         self._extractor: Extractor | None = None
         self.subscribe(bus.EXTRACTOR_DURABLE, concurrency)(self.handle)
 
